@@ -1,0 +1,156 @@
+"""The config schema: plain dataclasses registered in Hydra's ConfigStore.
+
+Hydra validates every override against these types at start-up, so a typo such as
+``algorithm.lrr=1`` or ``device=gpu`` fails before any actor starts, naming the key and
+(for enums) the allowed values. Key names follow verl's where verl has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class DeviceKind(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    tpu = "tpu"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class LossAggMode(str, Enum):
+    token_mean = "token-mean"
+    token_sum = "token-sum"
+    seq_mean_token_sum = "seq-mean-token-sum"
+    seq_mean_token_mean = "seq-mean-token-mean"
+
+
+@dataclass
+class TinyModelConfig:
+    """The locally built preset (`model=tiny_arith`); ignored when `model.path` is set."""
+
+    vocab_size: int = 512
+    split_digits: bool = True
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    max_position_embeddings: int = 128
+    seed: int = 0
+    # Supervised warm start on the training split so that GRPO starts with a reward signal.
+    warm_start_steps: int = 400
+    warm_start_batch_size: int = 64
+    warm_start_lr: float = 1e-3
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # a Hugging Face causal-LM folder; when unset the tiny preset is built
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: DType = DType.float32  # parameter dtype in trainer and sampler; fp32 keeps logprob parity
+
+
+@dataclass
+class DataConfig:
+    train_files: Optional[str] = None  # verl-schema parquet; unset: the synthetic arithmetic task
+    val_files: Optional[str] = None
+    train_batch_size: int = 16  # prompts per step (each gets sampler.n completions)
+    max_prompt_length: int = 64
+    seed: int = 0
+    # the synthetic arithmetic task (used when train_files is unset)
+    ops: str = "+-"
+    max_operand: int = 99
+    num_eval: int = 512
+
+
+@dataclass
+class SamplerConfig:
+    n: int = 8  # completions per prompt (the GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # off: vLLM renormalises logprobs over kept tokens, which the trainer does not
+    response_length: int = 16  # max new tokens
+    kv_cache_gb: float = 1.0
+    seed: int = 0
+    num_cpus: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    """Policy-loss settings, named as in verl's `actor_rollout_ref.actor`."""
+
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    loss_agg_mode: LossAggMode = LossAggMode.token_mean
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    world_size: int = 1  # FSDP2 ranks (Ray actors)
+    micro_batch_size: int = 64  # sequences per forward/backward on each rank
+    activation_checkpointing: bool = False
+    compile: bool = False
+    threads_per_rank: int = 1
+    total_steps: int = 100
+    eval_every: int = 10
+    export: bool = True  # write the final policy as a Hugging Face folder
+    checkpoint_every: int = 0  # steps between resumable checkpoints (0: none during the run)
+    checkpoint_final: bool = True  # a resumable checkpoint after the last step
+    resume_from: Optional[str] = None  # a run folder (its latest checkpoint) or a checkpoints/step_N folder
+
+
+@dataclass
+class RewardConfig:
+    name: str = "arithmetic"
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None: start a local cluster
+    num_cpus: Optional[int] = None  # None: the core count plus one, so the sampler is never starved
+    object_store_mb: int = 512
+
+
+@dataclass
+class RunConfig:
+    device: DeviceKind = DeviceKind.auto
+    seed: int = 0
+    cache_dir: Optional[str] = None  # built models and datasets; default ~/.cache/rl_tpu
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="rl_tpu_schema", node=RunConfig)

@@ -1,0 +1,74 @@
+"""The device layer: one object per process decides device type, distributed backend and compile backend.
+
+Core code asks a `Device` instead of calling `torch.cuda.*` or `torch.tpu.*`. TorchTPU is only
+imported when `device=tpu` is asked for, and never at import time of this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_BACKENDS = {
+    # kind: (distributed backend, torch.compile backend)
+    "cpu": ("gloo", "inductor"),
+    "cuda": ("nccl", "inductor"),
+    "tpu": ("tpu_dist", "tpu"),
+}
+
+
+def _accelerator_kind() -> str | None:
+    """The accelerator torch sees in this process (cuda, tpu, ...), without touching device APIs."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.accelerator.current_accelerator().type
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "cpu" | "cuda" | "tpu"
+    local_index: int = 0
+
+    @classmethod
+    def resolve(cls, requested: str, local_index: int = 0) -> "Device":
+        """`auto` picks the accelerator that is present, else the CPU; a named kind must be present."""
+        requested = getattr(requested, "value", requested)
+        if requested not in ("auto", *_BACKENDS):
+            raise ValueError(f"device={requested!r}: allowed values are auto, {', '.join(_BACKENDS)}")
+        present = _accelerator_kind()
+        if requested == "auto":
+            return cls(present if present in _BACKENDS else "cpu", local_index)
+        if requested == "tpu":
+            _import_torch_tpu()
+            present = _accelerator_kind()
+        if requested != "cpu" and present != requested:
+            raise RuntimeError(f"device={requested} was asked for but this process sees {present or 'no accelerator'}")
+        return cls(requested, local_index)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.local_index)
+
+    @property
+    def dist_backend(self) -> str:
+        return _BACKENDS[self.kind][0]
+
+    @property
+    def compile_backend(self) -> str:
+        return _BACKENDS[self.kind][1]
+
+    def ray_resources(self) -> dict[str, float]:
+        """What a Ray actor holding one rank of this device reserves besides CPUs."""
+        return {"num_gpus": 1} if self.kind == "cuda" else ({"resources": {"TPU": 1}} if self.kind == "tpu" else {})
+
+    def synchronize(self) -> None:
+        if self.kind != "cpu":
+            torch.accelerator.synchronize()
+
+
+def _import_torch_tpu() -> None:
+    try:
+        import torch_tpu  # noqa: F401  (registers the "tpu" device and the tpu_dist backend)
+    except ImportError as err:
+        raise RuntimeError("device=tpu needs the torch-tpu package on a TPU host (see examples/tpu/README.md)") from err

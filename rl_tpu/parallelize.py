@@ -1,0 +1,53 @@
+"""TorchTitan-style parallelisation of a Hugging Face decoder: each technique is one small function."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from rl_tpu.device import Device
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks of a Hugging Face causal LM (`model.model.layers` for Llama/Qwen-style models)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: expected decoder blocks at model.model.layers")
+    return layers
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module, device: Device) -> None:
+    """Compile each block separately: identical blocks share one compiled graph."""
+    for layer in decoder_layers(model):
+        layer.compile(backend=device.compile_backend, fullgraph=False)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
+    """`fully_shard` each decoder block, then the root (embeddings, final norm, head)."""
+    low_precision = param_dtype != torch.float32
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype if low_precision else None,
+                                     reduce_dtype=torch.float32 if low_precision else None)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last block's parameters are needed again at once by the root's backward: keep them.
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def parallelize(model: nn.Module, device: Device, mesh: DeviceMesh, param_dtype: torch.dtype,
+                activation_checkpointing: bool, compile: bool) -> nn.Module:
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model, device)
+    apply_fsdp(model, mesh, param_dtype)
+    return model

@@ -1,0 +1,112 @@
+"""The sampler: a vLLM engine in its own process (a Ray actor) that makes rollouts and serves a weight version.
+
+vLLM runs in-process inside the actor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): start-up is
+seconds instead of tens of seconds and weights are installed by a direct call. That mode
+pins threads and sets `LD_PRELOAD`, which is why it lives in its own process and never in
+the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from rl_tpu.rollout import Rollout
+from rl_tpu.sync import WeightBundle, WeightSyncError, unpack
+
+# Set in the actor's environment before vLLM is imported.
+SAMPLER_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCHDYNAMO_DISABLE": "1",  # skips a 30 s compile of a logprobs helper on the first call
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    logprobs: bool = True
+
+
+class Sampler:
+    def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gb: float, seed: int):
+        for key, value in SAMPLER_ENV.items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+            logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
+            enforce_eager=True,
+        )
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Rollout]:
+        """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=settings.n,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            max_tokens=settings.max_tokens,
+            logprobs=0 if settings.logprobs else None,
+        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        rollouts = []
+        for group, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            for completion in output.outputs:
+                ids = list(completion.token_ids)
+                logprobs = (
+                    [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+                    if settings.logprobs else [0.0] * len(ids)
+                )
+                rollouts.append(Rollout(list(prompt), ids, logprobs, self.version, completion.finish_reason or "length", group))
+        return rollouts
+
+    def install(self, bundle: WeightBundle) -> dict[str, float]:
+        """Verify and install a weight bundle; the previous version keeps serving if anything is wrong."""
+        if bundle.version <= self.version:
+            raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
+        start = time.perf_counter()
+        tensors, timings = unpack(bundle)
+        installed = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+        # Cached prefixes were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        self.version = bundle.version
+        return {**timings, "install_s": time.perf_counter() - installed, "receive_s": time.perf_counter() - start}
+
+    def serving_version(self) -> int:
+        return self.version
+
+    def shutdown(self) -> None:
+        """Release the engine before the actor exits (a lingering engine leaks shared memory)."""
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+            del self.llm
+
+
+def launch_sampler(model_path: str, dtype: str, max_model_len: int, kv_cache_gb: float, seed: int,
+                   num_cpus: float = 1.0, resources: dict | None = None):
+    """Start a `Sampler` as a Ray actor in its own process, with the environment vLLM needs."""
+    import ray
+
+    return (
+        ray.remote(Sampler)
+        .options(num_cpus=num_cpus, **(resources or {}), runtime_env={"env_vars": SAMPLER_ENV})
+        .remote(model_path, dtype, max_model_len, kv_cache_gb, seed)
+    )

@@ -1,0 +1,223 @@
+"""The FSDP2 trainer: one instance per rank (a Ray actor), TorchTitan style.
+
+`train_step` is the whole update on one screen: shard the batch, forward each micro-batch,
+loss from verl's core_algos, backward, clip, step. Weights leave through `publish_weights`
+(a versioned bundle for the sampler) and `export` (a Hugging Face folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+
+from rl_tpu import algorithms, sync
+from rl_tpu.config import RunConfig
+from rl_tpu.device import Device
+from rl_tpu.parallelize import parallelize
+from rl_tpu.rollout import TrainBatch
+
+
+def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion ids, and (bs, response_len) tensors in verl's layout."""
+    seqs = [p + c for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+    seq_len, resp_len = max(map(len, seqs)), max(1, max(map(len, batch.completion_ids)))
+    input_ids = torch.full((len(seqs), seq_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    # logits at position t predict token t+1: completion token j of row i is predicted at p_i - 1 + j
+    predict_at = torch.zeros((len(seqs), resp_len), dtype=torch.long)
+    response_mask = torch.zeros((len(seqs), resp_len))
+    sampler_logprobs = torch.zeros((len(seqs), resp_len))
+    targets = torch.full((len(seqs), resp_len), pad_id, dtype=torch.long)
+    for i, (prompt, completion) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
+        n_p, n_c = len(prompt), len(completion)
+        input_ids[i, : n_p + n_c] = torch.tensor(prompt + completion)
+        attention_mask[i, : n_p + n_c] = 1
+        predict_at[i] = torch.arange(n_p - 1, n_p - 1 + resp_len).clamp(max=seq_len - 1)
+        response_mask[i, :n_c] = 1
+        targets[i, :n_c] = torch.tensor(completion)
+        sampler_logprobs[i, :n_c] = torch.tensor(batch.sampler_logprobs[i])
+    advantages = torch.tensor(batch.advantages, dtype=torch.float32)[:, None] * response_mask
+    tensors = dict(input_ids=input_ids, attention_mask=attention_mask, predict_at=predict_at, targets=targets,
+                   response_mask=response_mask, sampler_logprobs=sampler_logprobs, advantages=advantages)
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def token_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float,
+                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities (and entropy) of the completion tokens under logits / temperature, fp32."""
+    logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], use_cache=False).logits
+    index = t["predict_at"][..., None].expand(-1, -1, logits.shape[-1])
+    logits = torch.gather(logits, 1, index).float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen = torch.gather(log_probs, -1, t["targets"][..., None])[..., 0]
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return chosen, entropy
+
+
+def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
+    return [batch.shard(i, -(-len(batch) // size)) for i in range(-(-len(batch) // size))]
+
+
+class TrainerWorker:
+    """One FSDP2 rank. Ray runs one per rank; every public method is collective across ranks."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        torch.set_num_threads(cfg.trainer.threads_per_rank)
+        self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
+        self.device = Device.resolve(cfg.device)
+        dist.init_process_group(self.device.dist_backend, rank=rank, world_size=world_size)
+        mesh = init_device_mesh(self.device.kind, (world_size,))
+        self.model = self._load_model(mesh)
+        self.ref_model = self._load_model(mesh).requires_grad_(False) if cfg.actor.use_kl_loss else None
+        algo = cfg.algorithm
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, betas=tuple(algo.betas),
+                                           weight_decay=algo.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / algo.warmup_steps) if algo.warmup_steps else 1.0)
+        self.pad_id = self._pad_id()
+
+    def _load_model(self, mesh) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(self.cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.to(self.device.torch_device)
+        param_dtype = getattr(torch, getattr(self.cfg.model.dtype, "value", self.cfg.model.dtype))
+        return parallelize(model, self.device, mesh, param_dtype, self.cfg.trainer.activation_checkpointing,
+                           self.cfg.trainer.compile)
+
+    def _pad_id(self) -> int:
+        config = json.loads((Path(self.model_path) / "config.json").read_text())
+        pad = config.get("pad_token_id")
+        return int(pad if pad is not None else (config.get("eos_token_id") or 0))
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        start = time.perf_counter()
+        actor = self.cfg.actor
+        local = batch.shard(self.rank, self.world_size)
+        global_tokens, global_seqs = batch.num_tokens(), len(batch)
+        sums: dict[str, float] = defaultdict(float)
+        self.model.train()
+        for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
+            t = pad_batch(micro, self.pad_id, self.device.torch_device)
+            log_prob, entropy = token_logprobs(self.model, t, batch.temperature)
+            ref_log_prob = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_log_prob, _ = token_logprobs(self.ref_model, t, batch.temperature, with_entropy=False)
+            # On-policy: one optimizer step per batch, so the behaviour policy is the current one.
+            loss, metrics = algorithms.policy_loss(
+                log_prob, log_prob.detach(), t["advantages"], t["response_mask"], actor,
+                global_tokens, global_seqs, self.world_size, ref_log_prob=ref_log_prob, entropy=entropy)
+            loss.backward()
+            mask = t["response_mask"]
+            n_tok = mask.sum().item()
+            sums["loss"] += loss.item()
+            sums["entropy_sum"] += (entropy.detach() * mask).sum().item()
+            sums["logprob_diff_sum"] += ((log_prob.detach() - t["sampler_logprobs"]).abs() * mask).sum().item()
+            sums["tokens"] += n_tok
+            for key, value in metrics.items():
+                sums[key] += value * n_tok  # token-weighted average over micro-batches
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.algorithm.grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite grad norm {grad_norm.item()} at update {self.scheduler.last_epoch + 1}; "
+                                     "no update was applied. Lower algorithm.lr or check the rewards.")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._reduce_metrics(sums, grad_norm.item(), time.perf_counter() - start)
+
+    def _reduce_metrics(self, sums: dict[str, float], grad_norm: float, seconds: float) -> dict[str, float]:
+        keys = sorted(sums)
+        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(totals)
+        total = dict(zip(keys, totals.tolist()))
+        tokens = max(total.pop("tokens"), 1.0)
+        out = {
+            "actor/loss": total.pop("loss") / self.world_size,
+            "actor/entropy": total.pop("entropy_sum") / tokens,
+            "actor/logprob_diff": total.pop("logprob_diff_sum") / tokens,
+            "actor/grad_norm": grad_norm,
+            "actor/lr": self.scheduler.get_last_lr()[0],
+            "time/train_s": seconds,
+            "perf/train_tokens": tokens,
+        }
+        out.update({k: v / tokens for k, v in total.items()})
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights in Hugging Face names on every rank's CPU (collective: all ranks call it)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
+
+    def publish_weights(self, version: int) -> sync.WeightBundle | None:
+        """Gather the full weights; rank 0 returns the bundle for the sampler, other ranks None."""
+        start = time.perf_counter()
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        bundle = sync.pack(state, version)
+        self.last_publish_s = time.perf_counter() - start
+        return bundle
+
+    def export(self, folder: str) -> str | None:
+        """Write a Hugging Face folder (config, tokenizer, safetensors) atomically; rank 0 writes."""
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        from safetensors.torch import save_file
+
+        final = Path(folder)
+        tmp = final.with_name(final.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(self.model_path, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json"))
+        config = json.loads((tmp / "config.json").read_text())
+        if config.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)  # shares storage with the embedding; safetensors stores it once
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return str(final)
+
+    def save_checkpoint(self, folder: str) -> None:
+        """Sharded model + optimizer state with torch.distributed.checkpoint; reloadable at any world size.
+
+        Written to `folder.partial` and renamed by rank 0 once every rank has finished, so a crash
+        mid-save never leaves something that looks like a complete checkpoint.
+        """
+        final = Path(folder)
+        tmp = final.with_name(final.name + ".partial")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict()}
+        dcp.save(state, checkpoint_id=str(tmp))
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        dist.barrier()
+
+    def load_checkpoint(self, folder: str) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict()}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

