@@ -22,7 +22,9 @@ STEP_KEYS = {"reward/mean", "actor/loss", "actor/entropy", "actor/grad_norm", "a
 def run_cli(run_dir, cache_dir, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "rl_tpu.main", "+recipe=grpo_math", f"hydra.run.dir={run_dir}",
            f"cache_dir={cache_dir}", "model.tiny.warm_start_steps=0", "data.train_batch_size=4", "sampler.n=4",
-           "data.num_eval=32", "trainer.eval_every=2", "trainer.world_size=2", *overrides]
+           "data.num_eval=32", "trainer.eval_every=2", "trainer.world_size=2",
+           # random weights earn no reward, so zero advantages; the entropy bonus still moves the weights
+           "actor.entropy_coeff=0.01", *overrides]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
