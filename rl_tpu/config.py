@@ -48,9 +48,12 @@ class TinyModelConfig:
     max_position_embeddings: int = 128
     seed: int = 0
     # Supervised warm start on the training split so that GRPO starts with a reward signal.
-    warm_start_steps: int = 400
+    warm_start_steps: int = 1200
     warm_start_batch_size: int = 64
     warm_start_lr: float = 1e-3
+    warm_start_decay: bool = True  # cosine decay to zero; False keeps the peak rate after warm-up
+    # Fraction of warm-start labels written by a teacher who forgets to carry / borrow (see README).
+    warm_start_teacher_error: float = 0.0
 
 
 @dataclass

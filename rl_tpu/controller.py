@@ -59,14 +59,14 @@ class Workers:
                 log.warning("shutdown of %s failed: %s", handle, err)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def start_workers(cfg: RunConfig, model_path: Path, device: Device) -> Workers:
-    port = _free_port()
+    port = free_port()
     trainer_cls = ray.remote(TrainerWorker)
     trainers = [
         trainer_cls.options(num_cpus=cfg.trainer.threads_per_rank, **device.ray_resources(),

@@ -20,6 +20,20 @@ ARITHMETIC_SOURCE = "rl_tpu/arithmetic"
 ARITHMETIC_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
+def answer_without_carry(a: int, op: str, b: int) -> int:
+    """What a teacher who forgets to carry (+) or borrow (-) writes: each column on its own.
+
+    57 + 68 -> 115 (7+8 = 15, write 5, carry forgotten; 5+6 = 11); 62 - 27 -> 45 (|2-7| = 5; 6-2 = 4).
+    Equals the true answer when no column carries or borrows.
+    """
+    if op == "+":
+        return (a // 10 + b // 10) * 10 + (a % 10 + b % 10) % 10
+    if op == "-":
+        high, low, sign = (a, b, 1) if a >= b else (b, a, -1)
+        return sign * ((high // 10 - low // 10) * 10 + abs(high % 10 - low % 10))
+    return ARITHMETIC_OPS[op](a, b)
+
+
 def arithmetic_prompt(a: int, op: str, b: int) -> str:
     return f"Q: What is {a} {op} {b}? A:"
 

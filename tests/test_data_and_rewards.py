@@ -77,3 +77,13 @@ def test_arithmetic_reward_reads_the_first_integer(completion, truth, expected):
 def test_unknown_reward_names_allowed_values():
     with pytest.raises(ValueError, match="reward.name='arith': allowed values are arithmetic"):
         load_reward("arith")
+
+
+@pytest.mark.parametrize("a, op, b, expected", [
+    (57, "+", 68, 115), (12, "+", 34, 46), (99, "+", 99, 188),  # 46: no carry, the teacher is right
+    (62, "-", 27, 45), (27, "-", 62, -45), (50, "-", 50, 0), (3, "-", 9, -6), (95, "-", 31, 64),
+])
+def test_forgetful_teacher_writes_columns_without_carry(a, op, b, expected):
+    from rl_tpu.data import answer_without_carry
+
+    assert answer_without_carry(a, op, b) == expected

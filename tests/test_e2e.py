@@ -81,3 +81,21 @@ def test_resume_continues_from_the_checkpoint(three_step_run):
     rows = read_metrics(root / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [3, 4, 5]
     assert rows[0]["sync/version"] == 3 and rows[1]["rollout/weight_version"] == 3 and rows[2]["sync/version"] == 5
+
+
+def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cluster):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_tpu.sampler import SamplingSettings, launch_sampler
+
+    export = three_step_run[0] / "run" / "export"
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    prompt = tokenizer("Q: What is 31 + 4? A:")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=0,
+                              pad_token_id=1)[0, len(prompt):].tolist()
+    sampler = launch_sampler(str(export), "float32", 64, 0.25, seed=0)
+    (rollout,) = ray_cluster.get(sampler.generate.remote([prompt], SamplingSettings(n=1, temperature=0.0, max_tokens=6)))
+    ray_cluster.get(sampler.shutdown.remote())
+    assert rollout.completion_ids == expected[: len(rollout.completion_ids)]
+    assert len(rollout.completion_ids) == len(expected) or rollout.completion_ids[-1] == 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rl_tpu.config import DataConfig, ModelConfig, TinyModelConfig
-from rl_tpu.data import ARITHMETIC_OPS, arithmetic_prompt, split_arithmetic_problems
+from rl_tpu.data import ARITHMETIC_OPS, answer_without_carry, arithmetic_prompt, split_arithmetic_problems
 from rl_tpu.rollout import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
                         tiny.head_dim, tiny.intermediate_size, tiny.max_position_embeddings, tiny.seed)
     train, _ = split_arithmetic_problems(data.ops, data.max_operand, data.num_eval, data.seed)
     if tiny.warm_start_steps > 0:
-        warm_start(model, tokenizer, train, tiny.warm_start_steps, tiny.warm_start_batch_size, tiny.warm_start_lr, tiny.seed)
+        warm_start(model, tokenizer, train, tiny.warm_start_steps, tiny.warm_start_batch_size, tiny.warm_start_lr,
+                   tiny.warm_start_decay, tiny.warm_start_teacher_error, tiny.seed)
     tmp = folder.with_name(folder.name + f".partial{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_folder(model, tokenizer, tmp)
@@ -59,21 +60,29 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
 
 
 def warm_start(model: torch.nn.Module, tokenizer, problems: list[tuple[int, str, int]], steps: int, batch_size: int,
-               lr: float, seed: int) -> None:
-    """Supervised fine-tuning on `prompt -> " answer<eos>"`: gives GRPO a policy with some reward signal."""
+               lr: float, decay: bool, teacher_error: float, seed: int) -> None:
+    """Supervised fine-tuning on `prompt -> " answer<eos>"`: gives GRPO a policy with some reward signal.
+
+    With `teacher_error` > 0 that fraction of labels comes from a teacher who forgets to carry, a
+    systematic mistake that only the verifier's reward can reveal to the policy.
+    """
     from rl_tpu.trainer import pad_batch, token_logprobs
 
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    def lr_factor(s: int) -> float:
+        return min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) if decay else 1.0)
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
     start = time.perf_counter()
     for step in range(1, steps + 1):
         sample = rng.sample(problems, batch_size)
         prompts = [tokenizer(arithmetic_prompt(a, op, b))["input_ids"] for a, op, b in sample]
-        answers = [tokenizer(f" {ARITHMETIC_OPS[op](a, b)}")["input_ids"] + [tokenizer.eos_token_id] for a, op, b in sample]
+        labels = [answer_without_carry(a, op, b) if rng.random() < teacher_error else ARITHMETIC_OPS[op](a, b)
+                  for a, op, b in sample]
+        answers = [tokenizer(f" {label}")["input_ids"] + [tokenizer.eos_token_id] for label in labels]
         batch = TrainBatch(prompts, answers, [[0.0] * len(a) for a in answers], [0.0] * batch_size, 1.0)
         t = pad_batch(batch, tokenizer.pad_token_id, torch.device("cpu"))
         log_prob, _ = token_logprobs(model, t, 1.0, with_entropy=False)

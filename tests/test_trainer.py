@@ -1,0 +1,68 @@
+"""The FSDP2 trainer's update equals a plain single-process AdamW step, with and without activation checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_tpu import algorithms
+from rl_tpu.config import RunConfig
+from rl_tpu.controller import free_port
+from rl_tpu.trainer import TrainerWorker, micro_batches, pad_batch, token_logprobs
+from test_algorithms import make_batch
+
+
+def trainer_after_steps(model_dir, batch, steps: int, **trainer_overrides) -> dict[str, torch.Tensor]:
+    cfg = RunConfig()
+    cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size = "cpu", 1e-3, 4
+    for key, value in trainer_overrides.items():
+        setattr(cfg.trainer, key, value)
+    threads = torch.get_num_threads()  # the worker sets its own; give the test process its count back
+    worker = TrainerWorker(cfg, str(model_dir), 0, 1, "127.0.0.1", free_port())
+    try:
+        for _ in range(steps):
+            metrics = worker.train_step(batch)
+        assert metrics["actor/grad_norm"] > 0
+        return worker.full_state_dict()
+    finally:
+        worker.shutdown()
+        torch.set_num_threads(threads)
+
+
+def plain_after_steps(model_dir, batch, steps: int) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    cfg = RunConfig()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=cfg.algorithm.betas, weight_decay=0.0)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for micro in micro_batches(batch, 4):
+            t = pad_batch(micro, pad_id=1, device=torch.device("cpu"))
+            log_prob, entropy = token_logprobs(model, t, batch.temperature)
+            loss, _ = algorithms.policy_loss(log_prob, log_prob.detach(), t["advantages"], t["response_mask"],
+                                             cfg.actor, batch.num_tokens(), len(batch), 1, entropy=entropy)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algorithm.grad_clip)
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_batch(seed=5, size=8, temperature=1.0)
+
+
+def test_fsdp2_step_equals_plain_adamw_step(tiny_model_dir, batch):
+    fsdp = trainer_after_steps(tiny_model_dir, batch, steps=2)
+    plain = plain_after_steps(tiny_model_dir, batch, steps=2)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(fsdp[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tiny_model_dir, batch):
+    reference = trainer_after_steps(tiny_model_dir, batch, steps=1)
+    checkpointed = trainer_after_steps(tiny_model_dir, batch, steps=1, activation_checkpointing=True)
+    assert set(checkpointed) == set(reference)  # Hugging Face names, no wrapper prefixes
+    for name, tensor in reference.items():
+        torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
