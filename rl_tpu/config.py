@@ -128,6 +128,18 @@ class TrainerConfig:
     resume_from: Optional[str] = None  # a run folder (its latest checkpoint) or a checkpoints/step_N folder
 
 
+class SyncTransport(str, Enum):
+    object_store = "object_store"
+    shm_file = "shm_file"
+
+
+@dataclass
+class SyncConfig:
+    transport: SyncTransport = SyncTransport.object_store
+    bucket_mb: float = 512.0  # upper bound on one bucket's bytes
+    shm_dir: str = "/dev/shm/rl_tpu"  # where shm_file writes its buckets
+
+
 @dataclass
 class RewardConfig:
     name: str = "arithmetic"
@@ -152,6 +164,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
 

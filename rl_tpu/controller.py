@@ -137,6 +137,8 @@ def grpo_step(step: int, prompts: list[Example], workers: Workers, tokenizer, re
         "perf/train_tokens_per_s": train["perf/train_tokens"] / train["time/train_s"],
         "rollout/weight_version": float(step - 1),
         "sync/version": float(bundle.version),
+        "sync/transport": bundle.transport,
+        "sync/buckets": float(len(bundle.buckets)),
         "sync/bytes": float(bundle.num_bytes),
         "sync/mb_per_s": bundle.num_bytes / 2**20 / (t4 - t3),
         "sync/receive_s": received["receive_s"],

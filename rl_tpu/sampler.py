@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from rl_tpu.rollout import Rollout
-from rl_tpu.sync import WeightBundle, WeightSyncError, unpack
+from rl_tpu.sync import WeightBundle, WeightSyncError, check_names, checkpoint_names, unpack
 
 # Set in the actor's environment before vLLM is imported.
 SAMPLER_ENV = {
@@ -50,6 +50,7 @@ class Sampler:
             enforce_eager=True,
         )
         self.version = 0
+        self.expected_names = checkpoint_names(model_path)
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Rollout]:
         """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index."""
@@ -80,6 +81,7 @@ class Sampler:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong."""
         if bundle.version <= self.version:
             raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
+        check_names(bundle, self.expected_names)
         start = time.perf_counter()
         tensors, timings = unpack(bundle)
         installed = time.perf_counter()

@@ -1,16 +1,23 @@
 """Weight sync: the trainer publishes a versioned, checksummed weight bundle; the sampler installs it.
 
-The bundle is the narrow contract between the two sides: Hugging Face parameter names,
-a monotonically increasing version, and a checksum computed on the sender over names,
-shapes, dtypes and bytes. The receiver verifies the checksum before anything is installed.
-Transport here: Ray's object store (zero-copy numpy views for readers on the same node).
+The bundle is the narrow contract between the two sides: Hugging Face parameter names in
+size-bounded buckets, a monotonically increasing version, and per-bucket checksums computed on
+the sender over names, dtypes, shapes and bytes. The receiver fetches and verifies *every*
+bucket before it returns anything, so a corrupt or missing bucket never reaches the engine.
+
+Transports (`sync.transport`):
+- `object_store`: Ray's object store; readers on the same node get zero-copy numpy views.
+- `shm_file`: one safetensors file per bucket in a shared-memory folder (`sync.shm_dir`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import blake3
@@ -30,13 +37,22 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class Bucket:
+    specs: tuple[TensorSpec, ...]
+    checksum: str
+    handle: Any  # object_store: a one-element list holding an ObjectRef; shm_file: the file's path
+
+
+@dataclass(frozen=True)
 class WeightBundle:
     version: int
-    checksum: str
-    specs: tuple[TensorSpec, ...]
-    payload: Any  # transport-specific handle: for the object store, a one-element list holding an ObjectRef
+    transport: str
+    buckets: tuple[Bucket, ...]
     num_bytes: int
-    transport: str = "object_store"
+
+    @property
+    def names(self) -> list[str]:
+        return [spec.name for bucket in self.buckets for spec in bucket.specs]
 
 
 def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -52,37 +68,140 @@ def checksum(specs: tuple[TensorSpec, ...], buffers: list[np.ndarray]) -> str:
     return hasher.hexdigest()
 
 
-def pack(state_dict: dict[str, torch.Tensor], version: int) -> WeightBundle:
-    """Trainer side: stage full CPU tensors into the object store as one bundle."""
-    import ray
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
 
-    specs = tuple(TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in state_dict.items())
-    buffers = [_as_bytes(t.cpu()) for t in state_dict.values()]
-    digest = checksum(specs, buffers)
-    ref = ray.put(buffers)
-    return WeightBundle(version, digest, specs, [ref], sum(b.nbytes for b in buffers))
+
+def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Consecutive names grouped so that each group holds at most `bucket_bytes` (a larger tensor goes alone)."""
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name, tensor in state_dict.items():
+        size = tensor.numel() * tensor.element_size()
+        if groups[-1] and filled + size > bucket_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += size
+    return [g for g in groups if g]
+
+
+class ObjectStoreTransport:
+    name = "object_store"
+
+    def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> Any:
+        import ray
+
+        return [ray.put(buffers)]
+
+    def close(self) -> None:
+        """Objects are freed by Ray's reference counting once the last bundle is dropped."""
+
+    @staticmethod
+    def get(bucket: Bucket) -> list[np.ndarray]:
+        import ray
+
+        return ray.get(bucket.handle[0])
+
+
+class ShmFileTransport:
+    name = "shm_file"
+
+    def __init__(self, root: str = "/dev/shm/rl_tpu"):
+        self.root = Path(root) / f"sender-{os.getpid()}"
+
+    def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> str:
+        from safetensors.torch import save_file
+
+        folder = self.root / f"v{version}"
+        if index == 0:
+            self._drop_versions_before(version - 1)  # the previous version stays until this one is installed
+            folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"bucket{index:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in named.items()}, str(path))
+        return str(path)
+
+    @staticmethod
+    def get(bucket: Bucket) -> list[np.ndarray]:
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(bucket.handle)
+        except Exception as err:  # missing, truncated or unparsable file
+            raise WeightSyncError(f"cannot read {bucket.handle}: {err}") from err
+        return [_as_bytes(tensors[spec.name]) if spec.name in tensors else np.empty(0, np.uint8) for spec in bucket.specs]
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _drop_versions_before(self, version: int) -> None:
+        if not self.root.exists():
+            return
+        for folder in self.root.glob("v*"):
+            if int(folder.name[1:]) < version:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+TRANSPORTS = {"object_store": ObjectStoreTransport, "shm_file": ShmFileTransport}
+
+
+def make_transport(name: str, shm_dir: str = "/dev/shm/rl_tpu"):
+    if name not in TRANSPORTS:
+        raise ValueError(f"sync.transport={name!r}: allowed values are {', '.join(TRANSPORTS)}")
+    return ShmFileTransport(shm_dir) if name == "shm_file" else ObjectStoreTransport()
+
+
+def pack(state_dict: dict[str, torch.Tensor], version: int, transport=None, bucket_mb: float = 512) -> WeightBundle:
+    """Trainer side: stage full CPU tensors as checksummed buckets through `transport`."""
+    transport = transport or ObjectStoreTransport()
+    buckets = []
+    for index, names in enumerate(plan_buckets(state_dict, int(bucket_mb * 2**20))):
+        named = {n: state_dict[n].detach().cpu() for n in names}
+        specs = tuple(spec_of(n, t) for n, t in named.items())
+        buffers = [_as_bytes(t) for t in named.values()]
+        buckets.append(Bucket(specs, checksum(specs, buffers), transport.put(version, index, named, buffers)))
+    num_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    return WeightBundle(version, transport.name, tuple(buckets), num_bytes)
+
+
+# Names a tied model may send or omit: the head shares the embedding's storage.
+TIED_NAMES = {"lm_head.weight"}
+
+
+def checkpoint_names(model_dir: str | Path) -> set[str]:
+    """Tensor names stored in a Hugging Face folder's safetensors files (what the engine was built from)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def check_names(bundle: WeightBundle, expected: set[str]) -> None:
+    """Refuse a bundle that would leave some weights at the old version or name weights the model lacks."""
+    names = set(bundle.names)
+    missing, unexpected = expected - names - TIED_NAMES, names - expected - TIED_NAMES
+    if missing or unexpected:
+        raise WeightSyncError(f"weight bundle v{bundle.version} does not match the served model: missing "
+                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}; nothing was installed")
 
 
 def unpack(bundle: WeightBundle) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
-    """Sampler side: fetch, verify the checksum, and rebuild named tensors. Raises on any mismatch."""
-    import ray
-
+    """Sampler side: fetch and verify every bucket, then rebuild named tensors. Raises on any mismatch."""
+    get = TRANSPORTS[bundle.transport].get
     start = time.perf_counter()
-    buffers = ray.get(bundle.payload[0])
-    fetched = time.perf_counter()
-    if len(buffers) != len(bundle.specs):
-        raise WeightSyncError(f"weight bundle v{bundle.version}: {len(buffers)} buffers for {len(bundle.specs)} tensors")
-    actual = checksum(bundle.specs, buffers)
-    if actual != bundle.checksum:
-        raise WeightSyncError(
-            f"weight bundle v{bundle.version}: checksum mismatch (sent {bundle.checksum[:16]}, got {actual[:16]});"
-            " nothing was installed"
-        )
+    fetched = [(bucket, get(bucket)) for bucket in bundle.buckets]
+    got = time.perf_counter()
+    for index, (bucket, buffers) in enumerate(fetched):
+        if len(buffers) != len(bucket.specs) or checksum(bucket.specs, buffers) != bucket.checksum:
+            raise WeightSyncError(f"weight bundle v{bundle.version}: bucket {index} of {len(bundle.buckets)} fails its "
+                                  f"checksum ({bundle.transport}); nothing was installed")
     tensors = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # zero-copy views are read-only; the engine copies them
-        for spec, buf in zip(bundle.specs, buffers):
-            tensor = torch.from_numpy(buf).view(getattr(torch, spec.dtype)).view(spec.shape)
-            tensors.append((spec.name, tensor))
-    timings = {"fetch_s": fetched - start, "verify_s": time.perf_counter() - fetched}
-    return tensors, timings
+        for bucket, buffers in fetched:
+            for spec, buf in zip(bucket.specs, buffers):
+                tensors.append((spec.name, torch.from_numpy(buf).view(getattr(torch, spec.dtype)).view(spec.shape)))
+    return tensors, {"fetch_s": got - start, "verify_s": time.perf_counter() - got}

@@ -88,6 +88,7 @@ class TrainerWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / algo.warmup_steps) if algo.warmup_steps else 1.0)
         self.pad_id = self._pad_id()
+        self.transport = sync.make_transport(getattr(cfg.sync.transport, "value", cfg.sync.transport), cfg.sync.shm_dir)
 
     def _load_model(self, mesh) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -167,13 +168,10 @@ class TrainerWorker:
 
     def publish_weights(self, version: int) -> sync.WeightBundle | None:
         """Gather the full weights; rank 0 returns the bundle for the sampler, other ranks None."""
-        start = time.perf_counter()
         state = self.full_state_dict()
         if self.rank != 0:
             return None
-        bundle = sync.pack(state, version)
-        self.last_publish_s = time.perf_counter() - start
-        return bundle
+        return sync.pack(state, version, self.transport, self.cfg.sync.bucket_mb)
 
     def export(self, folder: str) -> str | None:
         """Write a Hugging Face folder (config, tokenizer, safetensors) atomically; rank 0 writes."""
@@ -219,5 +217,6 @@ class TrainerWorker:
         self.scheduler.load_state_dict(state["scheduler"])
 
     def shutdown(self) -> None:
+        self.transport.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -14,7 +14,7 @@ from rl_tpu.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
 
-STEP_KEYS = {"reward/mean", "actor/loss", "actor/entropy", "actor/grad_norm", "actor/logprob_diff", "time/generate_s",
+STEP_KEYS = {"reward/mean", "sync/transport", "sync/bytes", "actor/loss", "actor/entropy", "actor/grad_norm", "actor/logprob_diff", "time/generate_s",
              "time/reward_s", "time/train_s", "time/sync_s", "perf/gen_tokens_per_s", "perf/train_tokens_per_s",
              "sync/version", "rollout/weight_version", "sync/mb_per_s"}
 
@@ -77,10 +77,12 @@ def test_export_loads_in_transformers_with_the_trainer_weights(three_step_run):
 
 def test_resume_continues_from_the_checkpoint(three_step_run):
     root, _ = three_step_run
-    run_cli(root / "resumed", root / "cache", "trainer.total_steps=5", f"trainer.resume_from={root / 'run'}")
+    run_cli(root / "resumed", root / "cache", "trainer.total_steps=5", f"trainer.resume_from={root / 'run'}",
+            "sync.transport=shm_file", f"sync.shm_dir={root / 'shm'}")
     rows = read_metrics(root / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [3, 4, 5]
     assert rows[0]["sync/version"] == 3 and rows[1]["rollout/weight_version"] == 3 and rows[2]["sync/version"] == 5
+    assert rows[2]["sync/transport"] == "shm_file" and rows[2]["sync/buckets"] >= 1
 
 
 def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cluster):

@@ -1,20 +1,22 @@
-"""Weight sync into a running vLLM engine: exact, versioned, checksummed, and parity with the trainer."""
+"""Weight sync into a running vLLM engine: exact, versioned, checksummed, all-or-nothing, for every transport."""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from rl_tpu import sync
+from rl_tpu.rollout import TrainBatch
 from rl_tpu.sampler import SamplingSettings, launch_sampler
 from rl_tpu.trainer import pad_batch, token_logprobs
-from rl_tpu.rollout import TrainBatch
 
 PROMPTS = ["Q: What is 12 + 7? A:", "Q: What is 3 - 50? A:", "Q: What is 99 + 99? A:", "Q: What is 0 - 0? A:"]
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
+TRANSPORTS = ["object_store", "shm_file"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,13 @@ def new_weights(tiny_model_dir, tmp_path_factory):
     return model.eval(), folder
 
 
+@pytest.fixture(scope="module")
+def fresh_engine(ray_cluster, new_weights):
+    sampler = launch_sampler(str(new_weights[1]), "float32", 128, 0.25, seed=0)
+    yield sampler
+    ray_cluster.get(sampler.shutdown.remote())
+
+
 def _prompt_ids(folder):
     from transformers import AutoTokenizer
 
@@ -41,18 +50,35 @@ def _generate(ray, sampler, prompts, settings=GREEDY):
     return ray.get(sampler.generate.remote(prompts, settings))
 
 
-def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(ray_cluster, tiny_model_dir, new_weights):
+def _corrupt(bundle: sync.WeightBundle, index: int) -> sync.WeightBundle:
+    """Damage one bucket in transit: flip bytes of its file, or swap in another bucket's payload."""
+    bucket = bundle.buckets[index]
+    if bundle.transport == "shm_file":
+        path = Path(bucket.handle)
+        data = bytearray(path.read_bytes())
+        data[-16:] = b"\xff" * 16  # the last tensor's tail
+        path.write_bytes(bytes(data))
+        return bundle
+    wrong = dataclasses.replace(bucket, handle=bundle.buckets[index - 1].handle)
+    return dataclasses.replace(bundle, buckets=bundle.buckets[:index] + (wrong,) + bundle.buckets[index + 1:])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(
+        ray_cluster, tiny_model_dir, new_weights, fresh_engine, transport, tmp_path):
     ray = ray_cluster
     model, folder = new_weights
     prompts = _prompt_ids(folder)
+    sender = sync.make_transport(transport, str(tmp_path / "shm"))
     running = launch_sampler(str(tiny_model_dir), "float32", 128, 0.25, seed=0)
-    fresh = launch_sampler(str(folder), "float32", 128, 0.25, seed=0)
     before = _generate(ray, running, prompts)
 
-    bundle = sync.pack({k: v.detach().clone() for k, v in model.state_dict().items()}, version=1)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    bundle = sync.pack(state, version=1, transport=sender, bucket_mb=1.0)
+    assert len(bundle.buckets) > 3  # 13 MB in 1 MB buckets
     ray.get(running.install.remote(bundle))
     assert ray.get(running.serving_version.remote()) == 1
-    synced, expected = _generate(ray, running, prompts), _generate(ray, fresh, prompts)
+    synced, expected = _generate(ray, running, prompts), _generate(ray, fresh_engine, prompts)
     assert [r.completion_ids for r in synced] == [r.completion_ids for r in expected]
     assert [r.logprobs for r in synced] == [r.logprobs for r in expected]
     assert [r.completion_ids for r in synced] != [r.completion_ids for r in before]  # the weights really changed
@@ -61,11 +87,14 @@ def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(ray_cl
     # A stale version is refused; the engine keeps serving v1.
     with pytest.raises(Exception, match="refusing older or equal bundle v1"):
         ray.get(running.install.remote(bundle))
-    # A corrupted payload (the checksum no longer matches) is detected before anything is installed.
-    other = sync.pack({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, version=2)
-    tampered = dataclasses.replace(other, checksum=sync.pack(model.state_dict(), version=2).checksum)
-    with pytest.raises(Exception, match="checksum mismatch"):
-        ray.get(running.install.remote(tampered))
+    # A bucket damaged in transit fails its checksum before anything is installed.
+    zeros = sync.pack({k: torch.zeros_like(v) for k, v in state.items()}, version=2, transport=sender, bucket_mb=1.0)
+    with pytest.raises(Exception, match="bucket 2 of .* fails its checksum"):
+        ray.get(running.install.remote(_corrupt(zeros, 2)))
+    # A bundle that lacks some weights would leave them at the old version: refused.
+    partial = dataclasses.replace(zeros, version=3, buckets=zeros.buckets[1:])
+    with pytest.raises(Exception, match="does not match the served model: missing"):
+        ray.get(running.install.remote(partial))
     assert ray.get(running.serving_version.remote()) == 1
     assert [r.completion_ids for r in _generate(ray, running, prompts)] == [r.completion_ids for r in expected]
 
@@ -79,13 +108,27 @@ def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(ray_cl
     mask = t["response_mask"]
     mean_abs = ((log_prob - t["sampler_logprobs"]).abs() * mask).sum() / mask.sum()
     assert mask.sum() > 20 and mean_abs < 1e-5, f"mean |sampler - trainer| logprob = {mean_abs:.2e}"
-    for handle in (running, fresh):
-        ray.get(handle.shutdown.remote())
+    ray.get(running.shutdown.remote())
 
 
-def test_pack_unpack_is_bit_exact_for_any_dtype(ray_cluster):
-    state = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4)}
-    tensors, _ = sync.unpack(sync.pack(state, version=3))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pack_unpack_is_bit_exact_for_any_dtype(ray_cluster, transport, tmp_path):
+    state = {"a": torch.randn(300, 500), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4),
+             "d": torch.randn(64, 64)}
+    bundle = sync.pack(state, version=3, transport=sync.make_transport(transport, str(tmp_path)), bucket_mb=0.1)
+    assert [len(b.specs) for b in bundle.buckets] == [1, 3]  # "a" (600 kB) alone, then the rest
+    tensors, _ = sync.unpack(bundle)
     assert [n for n, _ in tensors] == list(state)
     for name, tensor in tensors:
         assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name])
+
+
+def test_buckets_are_bounded_and_keep_order():
+    state = {f"w{i}": torch.zeros(n) for i, n in enumerate([10, 10, 30, 5, 100, 1])}  # float32: 4 bytes each
+    assert sync.plan_buckets(state, bucket_bytes=80) == [["w0", "w1"], ["w2"], ["w3"], ["w4"], ["w5"]]
+    assert sync.plan_buckets(state, bucket_bytes=10**6) == [list(state)]
+
+
+def test_unknown_transport_names_allowed_values():
+    with pytest.raises(ValueError, match="allowed values are object_store, shm_file"):
+        sync.make_transport("nccl")

@@ -1,0 +1,134 @@
+"""Weight-sync transports between two processes, against an in-process copy of the same bytes.
+
+For each model (DESIGN.md's 3.3M reference model in fp32, and a ~0.5B Qwen3-shaped state dict in
+bf16), each CPU transport moves the full weights from a sender actor to a receiver actor:
+pack (bucket, checksum, stage) on the sender, then fetch and verify every bucket on the
+receiver, which ends holding the tensors. The floor is `copy_` of the same tensors into
+preallocated buffers in one process. Engine install (`reload_weights`) is not included: it is
+the same for every transport. Timings are medians of `--repeats` after one warm-up.
+
+    python benchmarks/weight_sync.py            # writes benchmarks/results/weight_sync.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rl_tpu import sync  # noqa: E402
+
+MODELS = {
+    # name: (Qwen3 config overrides, dtype)
+    "reference-3.3M": (dict(vocab_size=268, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, intermediate_size=768), torch.float32),
+    "qwen3-0.5B": (dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=64, intermediate_size=3072), torch.bfloat16),
+}
+
+
+def make_state_dict(overrides: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random tensors with the names and shapes of a tied Qwen3ForCausalLM built from config."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, **overrides))
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.randn(p.shape, generator=generator).to(dtype) for name, p in model.state_dict().items()
+            if name != "lm_head.weight"}
+
+
+@ray.remote(num_cpus=1)
+class Sender:
+    def __init__(self, overrides: dict, dtype: str):
+        self.state = make_state_dict(overrides, getattr(torch, dtype))
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+    def send(self, transport: str, version: int, bucket_mb: float, shm_dir: str) -> tuple[sync.WeightBundle, float]:
+        start = time.perf_counter()
+        bundle = sync.pack(self.state, version, sync.make_transport(transport, shm_dir), bucket_mb)
+        return bundle, time.perf_counter() - start
+
+    def copy_floor(self) -> float:
+        """The same bytes copied once inside this process, into buffers allocated beforehand."""
+        targets = {name: torch.empty_like(t) for name, t in self.state.items()}
+        start = time.perf_counter()
+        for name, tensor in self.state.items():
+            targets[name].copy_(tensor)
+        return time.perf_counter() - start
+
+
+@ray.remote(num_cpus=1)
+class Receiver:
+    def receive(self, bundle: sync.WeightBundle) -> float:
+        start = time.perf_counter()
+        tensors, _ = sync.unpack(bundle)
+        assert len(tensors) == len(bundle.names)
+        return time.perf_counter() - start
+
+
+def measure(model: str, transports: list[str], repeats: int, bucket_mb: float, shm_dir: str) -> dict:
+    overrides, dtype = MODELS[model]
+    sender, receiver = Sender.remote(overrides, str(dtype).removeprefix("torch.")), Receiver.remote()
+    num_bytes = ray.get(sender.num_bytes.remote())
+    floors = [ray.get(sender.copy_floor.remote()) for _ in range(repeats + 1)][1:]
+    result = {"bytes": num_bytes, "dtype": str(dtype).removeprefix("torch."),
+              "floor": {"seconds": statistics.median(floors), "mb_per_s": num_bytes / 2**20 / statistics.median(floors)}}
+    for transport in transports:
+        totals = []
+        for version in range(1, repeats + 2):
+            start = time.perf_counter()
+            bundle, _ = ray.get(sender.send.remote(transport, version, bucket_mb, shm_dir))
+            ray.get(receiver.receive.remote(bundle))
+            totals.append(time.perf_counter() - start)
+            del bundle
+        seconds = statistics.median(totals[1:])
+        result[transport] = {"seconds": seconds, "mb_per_s": num_bytes / 2**20 / seconds,
+                             "ratio_to_floor": result["floor"]["seconds"] / seconds}
+    ray.kill(sender)
+    ray.kill(receiver)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--transports", nargs="+", default=list(sync.TRANSPORTS), choices=list(sync.TRANSPORTS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=512.0)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "weight_sync.json"))
+    args = parser.parse_args()
+
+    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=3 * 2**30, log_to_driver=False)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+        results = {m: measure(m, args.transports, args.repeats, args.bucket_mb, shm_dir) for m in args.models}
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "load_average_before": load_before, "load_average_after": os.getloadavg(), "repeats": args.repeats,
+              "bucket_mb": args.bucket_mb, "models": results}
+    ray.shutdown()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"load average {load_before[0]:.2f} -> {record['load_average_after'][0]:.2f}; median of {args.repeats}")
+    print(f"{'model':16} {'transport':13} {'MB':>8} {'seconds':>8} {'MB/s':>8} {'vs copy':>8}")
+    for model, r in results.items():
+        for name in ["floor", *args.transports]:
+            row = r[name]
+            ratio = f"{row.get('ratio_to_floor', 1.0):.2f}"
+            print(f"{model:16} {name:13} {r['bytes'] / 2**20:8.1f} {row['seconds']:8.4f} {row['mb_per_s']:8.0f} {ratio:>8}")
+
+
+if __name__ == "__main__":
+    main()
