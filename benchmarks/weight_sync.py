@@ -52,13 +52,16 @@ def make_state_dict(overrides: dict, dtype: torch.dtype) -> dict[str, torch.Tens
 class Sender:
     def __init__(self, overrides: dict, dtype: str):
         self.state = make_state_dict(overrides, getattr(torch, dtype))
+        self.transports = {}  # one per kind, kept across versions, as the trainer does
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state.values())
 
     def send(self, transport: str, version: int, bucket_mb: float, shm_dir: str) -> tuple[sync.WeightBundle, float]:
+        if transport not in self.transports:
+            self.transports[transport] = sync.make_transport(transport, shm_dir)
         start = time.perf_counter()
-        bundle = sync.pack(self.state, version, sync.make_transport(transport, shm_dir), bucket_mb)
+        bundle = sync.pack(self.state, version, self.transports[transport], bucket_mb)
         return bundle, time.perf_counter() - start
 
     def copy_floor(self) -> float:

@@ -131,6 +131,7 @@ class TrainerConfig:
 class SyncTransport(str, Enum):
     object_store = "object_store"
     shm_file = "shm_file"
+    collective = "collective"
 
 
 @dataclass

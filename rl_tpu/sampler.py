@@ -79,11 +79,11 @@ class Sampler:
 
     def install(self, bundle: WeightBundle) -> dict[str, float]:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong."""
+        start = time.perf_counter()
+        tensors, timings = unpack(bundle)  # reads every bucket, refused or not: a collective stream stays aligned
         if bundle.version <= self.version:
             raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
         check_names(bundle, self.expected_names)
-        start = time.perf_counter()
-        tensors, timings = unpack(bundle)
         installed = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
         # Cached prefixes were computed with the old weights.

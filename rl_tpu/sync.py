@@ -8,12 +8,17 @@ bucket before it returns anything, so a corrupt or missing bucket never reaches 
 Transports (`sync.transport`):
 - `object_store`: Ray's object store; readers on the same node get zero-copy numpy views.
 - `shm_file`: one safetensors file per bucket in a shared-memory folder (`sync.shm_dir`).
+- `collective`: a two-member gloo group between trainer rank 0 and the sampler, created on first
+  use; each bucket is one broadcast of its bytes, in order.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import queue
 import shutil
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -142,13 +147,60 @@ class ShmFileTransport:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-TRANSPORTS = {"object_store": ObjectStoreTransport, "shm_file": ShmFileTransport}
+class CollectiveTransport:
+    """Broadcasts over a gloo group of two, {trainer rank 0: 0, sampler: 1}, made on the first bundle.
+
+    `put` only queues a bucket and returns; a sender thread broadcasts the queue in order once the
+    receiver has joined, so publishing never waits for the sampler. The receiver reads every bucket
+    of a bundle in order (see `unpack`), which keeps both ends of the stream aligned.
+    """
+
+    name = "collective"
+    _receiver_groups: dict[tuple[str, int], Any] = {}
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host, self.store, self.queue = host, None, queue.Queue()
+
+    def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> dict:
+        import torch.distributed as dist
+
+        if self.store is None:
+            self.store = dist.TCPStore(self.host, 0, 2, is_master=True, wait_for_workers=False)
+            threading.Thread(target=self._serve, daemon=True, name="weight-broadcast").start()
+        self.queue.put(torch.from_numpy(np.concatenate(buffers)))
+        return {"host": self.host, "port": self.store.port}
+
+    def _serve(self) -> None:
+        import torch.distributed as dist
+
+        group = dist.ProcessGroupGloo(self.store, 0, 2)  # waits for the receiver to join
+        while (flat := self.queue.get()) is not None:
+            group.broadcast(flat, 0).wait()
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+    @classmethod
+    def get(cls, bucket: Bucket) -> list[np.ndarray]:
+        import torch.distributed as dist
+
+        key = (bucket.handle["host"], bucket.handle["port"])
+        if key not in cls._receiver_groups:
+            store = dist.TCPStore(key[0], key[1], 2, is_master=False)
+            cls._receiver_groups[key] = dist.ProcessGroupGloo(store, 1, 2)
+        sizes = [math.prod(s.shape) * torch.empty((), dtype=getattr(torch, s.dtype)).element_size() for s in bucket.specs]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        cls._receiver_groups[key].broadcast(flat, 0).wait()
+        return list(np.split(flat.numpy(), np.cumsum(sizes)[:-1]))
+
+
+TRANSPORTS = {"object_store": ObjectStoreTransport, "shm_file": ShmFileTransport, "collective": CollectiveTransport}
 
 
 def make_transport(name: str, shm_dir: str = "/dev/shm/rl_tpu"):
     if name not in TRANSPORTS:
         raise ValueError(f"sync.transport={name!r}: allowed values are {', '.join(TRANSPORTS)}")
-    return ShmFileTransport(shm_dir) if name == "shm_file" else ObjectStoreTransport()
+    return ShmFileTransport(shm_dir) if name == "shm_file" else TRANSPORTS[name]()
 
 
 def pack(state_dict: dict[str, torch.Tensor], version: int, transport=None, bucket_mb: float = 512) -> WeightBundle:

@@ -33,7 +33,7 @@ def run_cli(run_dir, cache_dir, *overrides: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def three_step_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    result = run_cli(root / "run", root / "cache", "trainer.total_steps=3")
+    result = run_cli(root / "run", root / "cache", "trainer.total_steps=3", "sync.transport=collective")
     return root, result
 
 
@@ -45,6 +45,7 @@ def test_metrics_are_well_formed(three_step_run):
     for step, row in enumerate(rows[1:], start=1):
         assert STEP_KEYS <= set(row), STEP_KEYS - set(row)
         assert row["sync/version"] == step and row["rollout/weight_version"] == step - 1
+        assert row["sync/transport"] == "collective"
         assert 0.0 <= row["reward/mean"] <= 1.0 and row["perf/train_tokens"] > 0
         assert row["actor/logprob_diff"] < 1e-5, "sampler and trainer disagree on the logprobs of the same tokens"
     assert "held-out accuracy:" in result.stdout

@@ -66,3 +66,23 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_model_dir, bat
     assert set(checkpointed) == set(reference)  # Hugging Face names, no wrapper prefixes
     for name, tensor in reference.items():
         torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_cluster, tiny_model_dir, batch):
+    """Each rank holds a shard and trains on half the batch; the published bundle is the whole, updated model."""
+    from rl_tpu import sync
+
+    cfg = RunConfig()
+    cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size, cfg.trainer.world_size = "cpu", 1e-3, 4, 2
+    port = free_port()
+    ranks = [ray_cluster.remote(TrainerWorker).options(num_cpus=1).remote(cfg, str(tiny_model_dir), r, 2, "127.0.0.1",
+                                                                          port) for r in range(2)]
+    ray_cluster.get([r.train_step.remote(batch) for r in ranks])
+    bundles = ray_cluster.get([r.publish_weights.remote(1) for r in ranks])
+    ray_cluster.get([r.shutdown.remote() for r in ranks])
+    assert bundles[1] is None
+    published = dict(sync.unpack(bundles[0])[0])
+    plain = plain_after_steps(tiny_model_dir, batch, steps=1)
+    assert set(plain) <= set(published)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(published[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

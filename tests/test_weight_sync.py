@@ -16,7 +16,7 @@ from rl_tpu.trainer import pad_batch, token_logprobs
 
 PROMPTS = ["Q: What is 12 + 7? A:", "Q: What is 3 - 50? A:", "Q: What is 99 + 99? A:", "Q: What is 0 - 0? A:"]
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
-TRANSPORTS = ["object_store", "shm_file"]
+TRANSPORTS = ["object_store", "shm_file", "collective"]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,9 @@ def _corrupt(bundle: sync.WeightBundle, index: int) -> sync.WeightBundle:
         data[-16:] = b"\xff" * 16  # the last tensor's tail
         path.write_bytes(bytes(data))
         return bundle
+    if bundle.transport == "collective":  # the stream carries no handle to swap: the bytes no longer match
+        wrong = dataclasses.replace(bucket, checksum=bundle.buckets[index - 1].checksum)
+        return dataclasses.replace(bundle, buckets=bundle.buckets[:index] + (wrong,) + bundle.buckets[index + 1:])
     wrong = dataclasses.replace(bucket, handle=bundle.buckets[index - 1].handle)
     return dataclasses.replace(bundle, buckets=bundle.buckets[:index] + (wrong,) + bundle.buckets[index + 1:])
 
@@ -84,17 +87,20 @@ def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(
     assert [r.completion_ids for r in synced] != [r.completion_ids for r in before]  # the weights really changed
     assert {r.weight_version for r in synced} == {1}
 
-    # A stale version is refused; the engine keeps serving v1.
+    # A stale version is refused (after it is read: a collective stream must stay aligned); v1 keeps serving.
     with pytest.raises(Exception, match="refusing older or equal bundle v1"):
-        ray.get(running.install.remote(bundle))
+        ray.get(running.install.remote(sync.pack(state, version=1, transport=sender, bucket_mb=1.0)))
     # A bucket damaged in transit fails its checksum before anything is installed.
-    zeros = sync.pack({k: torch.zeros_like(v) for k, v in state.items()}, version=2, transport=sender, bucket_mb=1.0)
+    zeros = {k: torch.zeros_like(v) for k, v in state.items()}
     with pytest.raises(Exception, match="bucket 2 of .* fails its checksum"):
-        ray.get(running.install.remote(_corrupt(zeros, 2)))
-    # A bundle that lacks some weights would leave them at the old version: refused.
-    partial = dataclasses.replace(zeros, version=3, buckets=zeros.buckets[1:])
-    with pytest.raises(Exception, match="does not match the served model: missing"):
-        ray.get(running.install.remote(partial))
+        ray.get(running.install.remote(_corrupt(sync.pack(zeros, version=2, transport=sender, bucket_mb=1.0), 2)))
+    # A bundle that lacks some weights would leave them at the old version: refused. (Not for the collective
+    # transport, whose bucket list is also the broadcast schedule; the name check does not depend on transport.)
+    if transport != "collective":
+        full = sync.pack(zeros, version=3, transport=sender, bucket_mb=1.0)
+        partial = dataclasses.replace(full, buckets=full.buckets[1:])
+        with pytest.raises(Exception, match="does not match the served model: missing"):
+            ray.get(running.install.remote(partial))
     assert ray.get(running.serving_version.remote()) == 1
     assert [r.completion_ids for r in _generate(ray, running, prompts)] == [r.completion_ids for r in expected]
 
@@ -130,5 +136,5 @@ def test_buckets_are_bounded_and_keep_order():
 
 
 def test_unknown_transport_names_allowed_values():
-    with pytest.raises(ValueError, match="allowed values are object_store, shm_file"):
+    with pytest.raises(ValueError, match="allowed values are object_store, shm_file, collective"):
         sync.make_transport("nccl")
