@@ -51,7 +51,6 @@ class TinyModelConfig:
     warm_start_steps: int = 1200
     warm_start_batch_size: int = 64
     warm_start_lr: float = 1e-3
-    warm_start_decay: bool = True  # cosine decay to zero; False keeps the peak rate after warm-up
     # Fraction of warm-start labels written by a teacher who forgets to carry / borrow (see README).
     warm_start_teacher_error: float = 0.0
 

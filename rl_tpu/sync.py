@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,8 @@ class CollectiveTransport:
     """
 
     name = "collective"
+    # A peer that died mid-stream surfaces as an error on the other side after this long, not a hang.
+    timeout = timedelta(minutes=5)
     _receiver_groups: dict[tuple[str, int], Any] = {}
 
     def __init__(self, host: str = "127.0.0.1"):
@@ -173,7 +176,7 @@ class CollectiveTransport:
     def _serve(self) -> None:
         import torch.distributed as dist
 
-        group = dist.ProcessGroupGloo(self.store, 0, 2)  # waits for the receiver to join
+        group = dist.ProcessGroupGloo(self.store, 0, 2, self.timeout)  # waits for the receiver to join
         while (flat := self.queue.get()) is not None:
             group.broadcast(flat, 0).wait()
 
@@ -186,8 +189,8 @@ class CollectiveTransport:
 
         key = (bucket.handle["host"], bucket.handle["port"])
         if key not in cls._receiver_groups:
-            store = dist.TCPStore(key[0], key[1], 2, is_master=False)
-            cls._receiver_groups[key] = dist.ProcessGroupGloo(store, 1, 2)
+            store = dist.TCPStore(key[0], key[1], 2, is_master=False, timeout=cls.timeout)
+            cls._receiver_groups[key] = dist.ProcessGroupGloo(store, 1, 2, cls.timeout)
         sizes = [math.prod(s.shape) * torch.empty((), dtype=getattr(torch, s.dtype)).element_size() for s in bucket.specs]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         cls._receiver_groups[key].broadcast(flat, 0).wait()

@@ -48,7 +48,7 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
     train, _ = split_arithmetic_problems(data.ops, data.max_operand, data.num_eval, data.seed)
     if tiny.warm_start_steps > 0:
         warm_start(model, tokenizer, train, tiny.warm_start_steps, tiny.warm_start_batch_size, tiny.warm_start_lr,
-                   tiny.warm_start_decay, tiny.warm_start_teacher_error, tiny.seed)
+                   tiny.warm_start_teacher_error, tiny.seed)
     tmp = folder.with_name(folder.name + f".partial{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_folder(model, tokenizer, tmp)
@@ -60,7 +60,7 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
 
 
 def warm_start(model: torch.nn.Module, tokenizer, problems: list[tuple[int, str, int]], steps: int, batch_size: int,
-               lr: float, decay: bool, teacher_error: float, seed: int) -> None:
+               lr: float, teacher_error: float, seed: int) -> None:
     """Supervised fine-tuning on `prompt -> " answer<eos>"`: gives GRPO a policy with some reward signal.
 
     With `teacher_error` > 0 that fraction of labels comes from a teacher who forgets to carry, a
@@ -71,10 +71,8 @@ def warm_start(model: torch.nn.Module, tokenizer, problems: list[tuple[int, str,
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, steps // 10)
-    def lr_factor(s: int) -> float:
-        return min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) if decay else 1.0)
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine decay to zero
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     model.train()
     start = time.perf_counter()
     for step in range(1, steps + 1):
