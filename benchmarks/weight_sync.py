@@ -55,7 +55,7 @@ class Sender:
         self.transports = {}  # one per kind, kept across versions, as the trainer does
 
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state.values())
+        return sum(t.nbytes for t in self.state.values())
 
     def send(self, transport: str, version: int, bucket_mb: float, shm_dir: str) -> tuple[sync.WeightBundle, float]:
         if transport not in self.transports:

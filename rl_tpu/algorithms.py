@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import torch
 
-from rl_tpu.config import ActorConfig, AlgorithmConfig
+from rl_tpu.config import ActorConfig, AlgorithmConfig, value_of
 
 # Outcome-reward estimators that normalise within a prompt's group and share verl's signature.
 GROUP_ADV_ESTIMATORS = ("grpo", "rloo")
@@ -75,7 +75,7 @@ def policy_loss(
     averaging over data-parallel ranks gives exactly the loss of the whole batch.
     """
     core_algos = _core_algos()
-    agg_mode = getattr(cfg.loss_agg_mode, "value", cfg.loss_agg_mode)
+    agg_mode = value_of(cfg.loss_agg_mode)
     verl_cfg = _verl_actor_config(cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, 1)
     batch_info = {"dp_size": dp_size, "batch_num_tokens": global_tokens, "global_batch_size": global_seqs}
     verl_cfg.global_batch_info.update(batch_info)

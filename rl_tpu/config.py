@@ -14,6 +14,11 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 
 
+def value_of(setting: "Enum | str") -> str:
+    """The plain string of an enum setting (structured configs give enums, plain callers strings)."""
+    return setting.value if isinstance(setting, Enum) else setting
+
+
 class DeviceKind(str, Enum):
     auto = "auto"
     cpu = "cpu"

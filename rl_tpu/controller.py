@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 
 from rl_tpu import algorithms
-from rl_tpu.config import RunConfig
+from rl_tpu.config import RunConfig, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
 from rl_tpu.device import Device
 from rl_tpu.metrics import MetricsLogger
@@ -74,7 +74,7 @@ def start_workers(cfg: RunConfig, model_path: Path, device: Device) -> Workers:
         .remote(cfg, str(model_path), rank, cfg.trainer.world_size, "127.0.0.1", port)
         for rank in range(cfg.trainer.world_size)
     ]
-    dtype = getattr(cfg.model.dtype, "value", cfg.model.dtype)
+    dtype = value_of(cfg.model.dtype)
     max_len = cfg.data.max_prompt_length + cfg.sampler.response_length
     sampler = launch_sampler(str(model_path), dtype, max_len, cfg.sampler.kv_cache_gb, cfg.sampler.seed,
                              cfg.sampler.num_cpus, device.ray_resources())

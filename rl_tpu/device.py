@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_tpu.config import value_of
+
 _BACKENDS = {
     # kind: (distributed backend, torch.compile backend)
     "cpu": ("gloo", "inductor"),
@@ -33,7 +35,7 @@ class Device:
     @classmethod
     def resolve(cls, requested: str, local_index: int = 0) -> "Device":
         """`auto` picks the accelerator that is present, else the CPU; a named kind must be present."""
-        requested = getattr(requested, "value", requested)
+        requested = value_of(requested)
         if requested not in ("auto", *_BACKENDS):
             raise ValueError(f"device={requested!r}: allowed values are auto, {', '.join(_BACKENDS)}")
         present = _accelerator_kind()

@@ -41,12 +41,16 @@ class TensorSpec:
     dtype: str  # e.g. "float32", "bfloat16"
     shape: tuple[int, ...]
 
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+
 
 @dataclass(frozen=True)
 class Bucket:
     specs: tuple[TensorSpec, ...]
     checksum: str
-    handle: Any  # object_store: a one-element list holding an ObjectRef; shm_file: the file's path
+    handle: Any  # object_store: [ObjectRef]; shm_file: the file's path; collective: the group's {host, port}
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list
     groups: list[list[str]] = [[]]
     filled = 0
     for name, tensor in state_dict.items():
-        size = tensor.numel() * tensor.element_size()
+        size = tensor.nbytes
         if groups[-1] and filled + size > bucket_bytes:
             groups.append([])
             filled = 0
@@ -191,7 +195,7 @@ class CollectiveTransport:
         if key not in cls._receiver_groups:
             store = dist.TCPStore(key[0], key[1], 2, is_master=False, timeout=cls.timeout)
             cls._receiver_groups[key] = dist.ProcessGroupGloo(store, 1, 2, cls.timeout)
-        sizes = [math.prod(s.shape) * torch.empty((), dtype=getattr(torch, s.dtype)).element_size() for s in bucket.specs]
+        sizes = [spec.num_bytes for spec in bucket.specs]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         cls._receiver_groups[key].broadcast(flat, 0).wait()
         return list(np.split(flat.numpy(), np.cumsum(sizes)[:-1]))
@@ -215,7 +219,7 @@ def pack(state_dict: dict[str, torch.Tensor], version: int, transport=None, buck
         specs = tuple(spec_of(n, t) for n, t in named.items())
         buffers = [_as_bytes(t) for t in named.values()]
         buckets.append(Bucket(specs, checksum(specs, buffers), transport.put(version, index, named, buffers)))
-    num_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    num_bytes = sum(spec.num_bytes for bucket in buckets for spec in bucket.specs)
     return WeightBundle(version, transport.name, tuple(buckets), num_bytes)
 
 

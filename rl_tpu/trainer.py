@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 
 from rl_tpu import algorithms, sync
-from rl_tpu.config import RunConfig
+from rl_tpu.config import RunConfig, value_of
 from rl_tpu.device import Device
 from rl_tpu.parallelize import parallelize
 from rl_tpu.rollout import TrainBatch
@@ -88,7 +88,7 @@ class TrainerWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / algo.warmup_steps) if algo.warmup_steps else 1.0)
         self.pad_id = self._pad_id()
-        self.transport = sync.make_transport(getattr(cfg.sync.transport, "value", cfg.sync.transport), cfg.sync.shm_dir)
+        self.transport = sync.make_transport(value_of(cfg.sync.transport), cfg.sync.shm_dir)
 
     def _load_model(self, mesh) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -96,7 +96,7 @@ class TrainerWorker:
         torch.manual_seed(self.cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         model.to(self.device.torch_device)
-        param_dtype = getattr(torch, getattr(self.cfg.model.dtype, "value", self.cfg.model.dtype))
+        param_dtype = getattr(torch, value_of(self.cfg.model.dtype))
         return parallelize(model, self.device, mesh, param_dtype, self.cfg.trainer.activation_checkpointing,
                            self.cfg.trainer.compile)
 
