@@ -1,20 +1,10 @@
-"""Reward functions with verl's signature, and the loader that picks one by name.
+"""Built-in rewards: one verl-signature `compute_score` per module, selected by `reward.name`.
 
 `compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict`
+
+Each module imports nothing from rl_tpu, so it can be tested on its own and handed to verl
+unchanged as a custom reward function. How rewards are run (worker processes, timeouts,
+weights) is `rl_tpu.grader`'s business.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Callable
-
-RewardFn = Callable[..., "float | dict"]
-
-BUILTIN_REWARDS = ("arithmetic",)
-
-
-def load_reward(name: str) -> RewardFn:
-    """The built-in reward `name` (a module of this package exporting `compute_score`)."""
-    if name not in BUILTIN_REWARDS:
-        raise ValueError(f"reward.name={name!r}: allowed values are {', '.join(BUILTIN_REWARDS)}")
-    return importlib.import_module(f"rewards.{name}").compute_score
+BUILTIN_REWARDS = ("arithmetic", "gsm8k", "math", "format")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 
 def value_of(setting: "Enum | str") -> str:
@@ -69,10 +70,17 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: Optional[str] = None  # verl-schema parquet; unset: the synthetic arithmetic task
+    # verl-schema .parquet or .jsonl (or plain question/answer JSONL via prompt_key / answer_key);
+    # unset: the synthetic arithmetic task
+    train_files: Optional[str] = None
     val_files: Optional[str] = None
+    prompt_key: str = "prompt"  # the column holding chat messages or a plain prompt string
+    answer_key: Optional[str] = None  # a column holding the ground truth; None: reward_model.ground_truth
+    data_source: Optional[str] = None  # for rows without a data_source column; None: the file name
     train_batch_size: int = 16  # prompts per step (each gets sampler.n completions)
     max_prompt_length: int = 64
+    filter_overlong_prompts: bool = True  # skip (and count) longer prompts; false: stop with an error
+    val_max_samples: Optional[int] = None  # evaluate on the first N validation prompts only
     seed: int = 0
     # the synthetic arithmetic task (used when train_files is unset)
     ops: str = "+-"
@@ -146,8 +154,26 @@ class SyncConfig:
 
 
 @dataclass
+class CustomRewardConfig:
+    """A verl-signature reward function in a Python file, as verl's `custom_reward_function`."""
+
+    path: Optional[str] = None
+    name: str = "compute_score"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every call
+    # verl's batch form takes lists (`data_sources`, `solution_strs`, ...); None: read it from the signature
+    batched: Optional[bool] = None
+
+
+@dataclass
 class RewardConfig:
-    name: str = "arithmetic"
+    name: str = "arithmetic"  # a built-in: arithmetic, gsm8k, math, format (rewards/NAME.py)
+    # A weighted sum instead of one reward, e.g. {gsm8k: 1.0, format: 0.1}; the key `custom` is the
+    # plugin. It must include the primary reward (`custom` when set, else `name`): eval/accuracy.
+    combine: dict[str, float] = field(default_factory=dict)
+    custom: CustomRewardConfig = field(default_factory=CustomRewardConfig)  # when path is set: the primary
+    num_workers: Optional[int] = None  # reward worker processes; None: min(4, cores)
+    timeout_s: float = 10.0  # per sample; a sample past it scores 0 and its worker is replaced
+    max_failure_rate: float = 0.1  # stop the run when a larger fraction of one batch fails to score
 
 
 @dataclass
@@ -169,9 +195,17 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    # verl's key for reward.custom, accepted so verl command lines work unchanged
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
 
+def _required(key: str, what: str) -> None:
+    raise ValueError(f"{key} is required by this recipe ({what}): add {key}=... to the command line")
+
+
 def register_configs() -> None:
+    """The schema, and the `${required:KEY,WHAT}` resolver recipes use for settings only the user can give."""
     ConfigStore.instance().store(name="rl_tpu_schema", node=RunConfig)
+    OmegaConf.register_new_resolver("required", _required, replace=True)

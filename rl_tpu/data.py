@@ -8,13 +8,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import pandas as pd
+
+from rl_tpu.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+
+class RowError(ValueError):
+    """A dataset row that cannot be used, named by file and row index."""
+
+    def __init__(self, path: Path, index: int, message: str):
+        super().__init__(f"{path}: row {index}: {message}")
 
 ARITHMETIC_SOURCE = "rl_tpu/arithmetic"
 ARITHMETIC_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -43,16 +56,28 @@ def arithmetic_rows(ops: str, max_operand: int, split: str, problems: Sequence[t
     for index, (a, op, b) in enumerate(problems):
         question = arithmetic_prompt(a, op, b)
         answer = str(ARITHMETIC_OPS[op](a, b))
-        rows.append(
-            {
-                "data_source": ARITHMETIC_SOURCE,
-                "prompt": [{"role": "user", "content": question}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": answer},
-                "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
-            }
-        )
+        extra_info = {"split": split, "index": index, "answer": answer, "question": question}
+        rows.append(verl_rule_row(ARITHMETIC_SOURCE, question, answer, extra_info))
     return rows
+
+
+def verl_rule_row(data_source: str, question: str, ground_truth: str, extra_info: dict) -> dict:
+    """One verl-schema row of a math problem checked by a rule, as verl's preprocessing scripts build it."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": extra_info,
+    }
+
+
+def string_fields(example: dict, keys: Sequence[str], path: Path, index: int) -> list[str]:
+    """The values of `keys` in a raw row, each required to be a string."""
+    for key in keys:
+        if not isinstance(example.get(key), str):
+            raise RowError(path, index, f"missing string field '{key}' (rows need {', '.join(keys)})")
+    return [example[key] for key in keys]
 
 
 def split_arithmetic_problems(
@@ -98,47 +123,158 @@ class Example:
 
     prompt_ids: list[int]
     data_source: str
-    ground_truth: str
+    ground_truth: Any
     extra_info: dict[str, Any]
 
 
-REQUIRED_FIELDS = ("data_source", "prompt", "reward_model")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
-def _prompt_text(row: dict, tokenizer, path: Path, index: int) -> str:
-    messages = row["prompt"]
+def plain(value: Any) -> Any:
+    """Parquet cells as plain Python: numpy arrays to lists, numpy scalars to numbers, recursively."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [plain(v) for v in value]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a .parquet or JSON-lines file, as plain dicts."""
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    if path.suffix == ".parquet":
+        return [plain(row) for row in pd.read_parquet(path).to_dict("records")]
+    if path.suffix not in DATA_SUFFIXES:
+        raise ValueError(f"dataset file {path}: unknown format {path.suffix!r}; allowed: {', '.join(DATA_SUFFIXES)}")
+    rows = []
+    with path.open() as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: line {number}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {number}: a row must be a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def write_verl_parquet(rows: list[dict], path: Path) -> None:
+    """Rows as parquet the way verl's preprocessing scripts write them (`datasets`' Arrow schema)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp))
+    os.replace(tmp, path)
+
+
+SPLITS = ("train", "test")
+
+
+def convert_splits(input_dir: Path, output_dir: Path, to_row: Callable[[dict, str, int, Path], dict]) -> dict[str, Path]:
+    """`input_dir`/{train,test}.jsonl -> `output_dir`/{train,test}.parquet, row by row through `to_row`."""
+    written = {}
+    for split in SPLITS:
+        source = input_dir / f"{split}.jsonl"
+        rows = [to_row(example, split, index, source) for index, example in enumerate(read_rows(source))]
+        written[split] = output_dir / f"{split}.parquet"
+        write_verl_parquet(rows, written[split])
+        print(f"{source}: {len(rows)} rows -> {written[split]}")
+    return written
+
+
+def convert_cli(doc: str, to_row: Callable[[dict, str, int, Path], dict], default_output: Path,
+                argv: list[str] | None = None) -> dict[str, Path]:
+    """The command line of the recipes' prepare.py scripts."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    parser.add_argument("--input_dir", type=Path, required=True, help="folder with train.jsonl and test.jsonl")
+    parser.add_argument("--output_dir", type=Path, default=default_output)
+    args = parser.parse_args(argv)
+    return convert_splits(args.input_dir.expanduser(), args.output_dir.expanduser(), to_row)
+
+
+def prompt_messages(row: dict, key: str, path: Path, index: int) -> list[dict]:
+    """The row's prompt as chat messages: verl's message list, or a plain string as one user turn."""
+    if key not in row or row[key] is None:
+        raise RowError(path, index, f"missing field '{key}' (set data.prompt_key to the prompt column)")
+    messages = row[key]
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    if len(messages) == 0 or not all(isinstance(m, dict) and m.get("content") for m in messages):
-        raise ValueError(f"{path}: row {index}: field 'prompt' must be a non-empty list of {{role, content}} messages")
+    if not isinstance(messages, list) or not messages:
+        raise RowError(path, index, f"field '{key}' must be a non-empty list of {{role, content}} messages or a string")
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str) and message["content"].strip()):
+            raise RowError(path, index, f"field '{key}' must be a non-empty list of {{role, content}} messages "
+                                        f"with non-empty string content; got {message!r:.200}")
+    return messages
+
+
+def ground_truth(row: dict, answer_key: str | None, path: Path, index: int) -> Any:
+    if answer_key is not None:
+        field_name, value = answer_key, row.get(answer_key)
+    else:
+        reward_model = row.get("reward_model")
+        if not isinstance(reward_model, dict):
+            raise RowError(path, index, "missing field 'reward_model' (verl schema: reward_model.ground_truth; "
+                                        "or set data.answer_key to an answer column)")
+        field_name, value = "reward_model.ground_truth", reward_model.get("ground_truth")
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise RowError(path, index, f"missing field '{field_name}'")
+    if not isinstance(value, (str, int, float, list)):
+        raise RowError(path, index, f"field '{field_name}' must be a string, number or list, got {type(value).__name__}")
+    return value
+
+
+def prompt_text(messages: list[dict], tokenizer) -> str:
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    # Tokenisers without a chat template (the tiny preset's) see the raw user text.
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # Tokenisers without a chat template (the tiny preset's) see the raw text.
     return "\n".join(m["content"] for m in messages)
 
 
-def load_examples(path: str | Path, tokenizer, max_prompt_length: int) -> list[Example]:
-    """Read a verl-schema parquet file and tokenise its prompts; bad rows fail with file, row and field."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"dataset file {path} does not exist")
-    records = pd.read_parquet(path).to_dict("records")
-    examples = []
-    for index, row in enumerate(records):
-        for field in REQUIRED_FIELDS:
-            if row.get(field) is None:
-                raise ValueError(f"{path}: row {index}: missing field '{field}' (verl schema needs {REQUIRED_FIELDS})")
-        ground_truth = (row["reward_model"] or {}).get("ground_truth")
-        if ground_truth is None:
-            raise ValueError(f"{path}: row {index}: missing field 'reward_model.ground_truth'")
-        prompt_ids = tokenizer(_prompt_text(row, tokenizer, path, index), add_special_tokens=False)["input_ids"]
-        if len(prompt_ids) > max_prompt_length:
-            raise ValueError(
-                f"{path}: row {index}: prompt has {len(prompt_ids)} tokens, over data.max_prompt_length={max_prompt_length}"
-            )
-        examples.append(Example(prompt_ids, str(row["data_source"]), str(ground_truth), dict(row.get("extra_info") or {})))
+def load_examples(path: str | Path, tokenizer, cfg: DataConfig, max_rows: int | None = None) -> list[Example]:
+    """Read and tokenise a dataset file; every row is checked before training starts.
+
+    A bad row raises an error naming the file, the row and the field. Prompts longer than
+    `data.max_prompt_length` tokens are skipped and counted (or raise, with
+    `data.filter_overlong_prompts=false`). `max_rows` keeps the first rows only.
+    """
+    path = Path(path).expanduser()
+    rows = read_rows(path)[:max_rows]
+    default_source = cfg.data_source or path.name
+    examples, overlong = [], []
+    for index, row in enumerate(rows):
+        messages = prompt_messages(row, cfg.prompt_key, path, index)
+        truth = ground_truth(row, cfg.answer_key, path, index)
+        source = row.get("data_source", default_source)
+        if not isinstance(source, str):
+            raise RowError(path, index, f"field 'data_source' must be a string, got {type(source).__name__}")
+        extra_info = row.get("extra_info") or {}
+        if not isinstance(extra_info, dict):
+            raise RowError(path, index, f"field 'extra_info' must be a mapping, got {type(extra_info).__name__}")
+        prompt_ids = tokenizer(prompt_text(messages, tokenizer), add_special_tokens=False)["input_ids"]
+        if len(prompt_ids) > cfg.max_prompt_length:
+            if not cfg.filter_overlong_prompts:
+                raise RowError(path, index, f"prompt has {len(prompt_ids)} tokens, over data.max_prompt_length="
+                                            f"{cfg.max_prompt_length} (data.filter_overlong_prompts=true skips such rows)")
+            overlong.append(index)
+            continue
+        examples.append(Example(prompt_ids, source, truth, extra_info))
+    if overlong:
+        log.warning("%s: skipped %d of %d prompts longer than data.max_prompt_length=%d tokens (rows %s%s)", path,
+                    len(overlong), len(rows), cfg.max_prompt_length, ", ".join(map(str, overlong[:10])),
+                    ", ..." if len(overlong) > 10 else "")
     if not examples:
-        raise ValueError(f"dataset file {path} has no rows")
+        raise ValueError(f"dataset file {path} has no usable rows ({len(rows)} rows, {len(overlong)} over "
+                         f"data.max_prompt_length={cfg.max_prompt_length})")
     return examples
 
 

@@ -59,3 +59,30 @@ def test_cli_typo_fails_fast_with_the_key_name():
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "totl_steps" in result.stderr
+
+
+def compose_recipe(recipe: str, *overrides: str) -> RunConfig:
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return OmegaConf.to_object(compose("config", overrides=[f"+recipe={recipe}", *overrides]))
+
+
+@pytest.mark.parametrize("recipe, reward", [("grpo_gsm8k", "gsm8k"), ("grpo_math_boxed", "math")])
+def test_real_model_recipes_need_model_and_data_paths(recipe, reward, tmp_path):
+    with pytest.raises(Exception, match="model.path is required by this recipe"):
+        compose_recipe(recipe)
+    with pytest.raises(Exception, match="data.train_files is required by this recipe"):
+        compose_recipe(recipe, f"model.path={tmp_path}")
+    cfg = compose_recipe(recipe, f"model.path={tmp_path}", "data.train_files=t.parquet", "data.val_files=v.parquet")
+    validate(cfg)
+    assert cfg.reward.name == reward and cfg.model.dtype.value == "bfloat16" and cfg.actor.use_kl_loss
+    assert cfg.sampler.response_length >= 1024 and cfg.ray.object_store_mb >= 4096
+
+
+def test_reward_settings_are_checked_at_start():
+    with pytest.raises(ValueError, match="reward name 'gsm9k': allowed values are"):
+        validate(compose_run("reward.name=gsm9k"))
+    with pytest.raises(ValueError, match="reward.max_failure_rate=2.0 must be in"):
+        validate(compose_run("reward.max_failure_rate=2.0"))
+    cfg = compose_run("custom_reward_function.path=examples/custom_reward/reward.py", "+reward.combine={custom: 1, format: 0.1}")
+    validate(cfg)
+    assert cfg.custom_reward_function.name == "compute_score" and cfg.reward.combine == {"custom": 1.0, "format": 0.1}

@@ -102,3 +102,35 @@ def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cl
     ray_cluster.get(sampler.shutdown.remote())
     assert rollout.completion_ids == expected[: len(rollout.completion_ids)]
     assert len(rollout.completion_ids) == len(expected) or rollout.completion_ids[-1] == 0
+
+
+def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
+    """verl's GSM8K parquet (from the prepare script) through the CLI, with the gsm8k + format rewards."""
+    from recipes.grpo_gsm8k.prepare import main as prepare
+
+    prepare(["--input_dir", str(REPO / "tests" / "fixtures" / "gsm8k"), "--output_dir", str(tmp_path / "data")])
+    run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=2", "model.tiny.max_position_embeddings=1024",
+            f"data.train_files={tmp_path / 'data' / 'train.parquet'}",
+            f"data.val_files={tmp_path / 'data' / 'test.parquet'}", "data.max_prompt_length=512",
+            "reward.name=gsm8k", "+reward.combine={gsm8k: 1.0, format: 0.1}")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert {"reward/gsm8k", "reward/format", "reward/failed", "time/reward_s"} <= set(row)
+        assert row["reward/failed"] == 0 and row["sync/version"] == row["step"]
+        assert row["reward/mean"] == pytest.approx(row["reward/gsm8k"] + 0.1 * row["reward/format"])
+    assert {"eval/accuracy", "eval/gsm8k", "eval/format"} <= set(rows[2])
+
+
+def test_verl_plugin_trains_unchanged_through_the_verl_keys(tmp_path):
+    """examples/custom_reward's plugin, written for verl, with verl's custom_reward_function keys."""
+    run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=2",
+            "custom_reward_function.path=examples/custom_reward/reward.py", "custom_reward_function.name=compute_score")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["reward/failed"] == 0 and "reward/custom" in row
+        # the plugin's dict fields: exact-match rate and answer rate, next to its partial-credit score
+        assert 0.0 <= row["reward/extra/custom/exact"] <= row["reward/custom"] + 1e-9
+        assert row["reward/extra/custom/answered"] >= row["reward/extra/custom/exact"]
+    assert "eval/extra/custom/exact" in rows[2]
