@@ -108,7 +108,7 @@ def measure(model: str, transports: list[str], repeats: int, bucket_mb: float, s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--transports", nargs="+", default=list(sync.TRANSPORTS), choices=list(sync.TRANSPORTS))
+    parser.add_argument("--transports", nargs="+", default=list(sync.CPU_TRANSPORTS), choices=list(sync.CPU_TRANSPORTS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=512.0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "weight_sync.json"))

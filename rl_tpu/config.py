@@ -144,6 +144,7 @@ class SyncTransport(str, Enum):
     object_store = "object_store"
     shm_file = "shm_file"
     collective = "collective"
+    tpu_sync = "tpu_sync"  # TPU hosts only; not yet run on hardware (rl_tpu/sync_tpu.py)
 
 
 @dataclass

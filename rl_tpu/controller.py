@@ -86,6 +86,8 @@ def start_workers(cfg: RunConfig, model_path: Path, device: Device) -> Workers:
                              cfg.sampler.num_cpus, device.ray_resources())
     # Surface start-up errors (bad model folder, backend problems) here rather than at the first step.
     ray.get([sampler.serving_version.remote(), *[t.__ray_ready__.remote() for t in trainers]])
+    if value_of(cfg.sync.transport) == "tpu_sync":
+        ray.get([t.connect_tpu_sync.remote(sampler) for t in trainers])
     return Workers(trainers, sampler)
 
 
@@ -230,6 +232,9 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     started = time.perf_counter()
     validate(cfg)
     device = Device.resolve(cfg.device)
+    if value_of(cfg.sync.transport) == "tpu_sync" and device.kind != "tpu":
+        raise ValueError(f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {device.kind}: "
+                         "use object_store, shm_file or collective")
     cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "rl_tpu").expanduser()
     model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from rl_tpu.rollout import Rollout
-from rl_tpu.sync import WeightBundle, WeightSyncError, check_names, checkpoint_names, unpack
+from rl_tpu.sync import WeightBundle, WeightSyncError, check_names, unpack
 
 # Set in the actor's environment before vLLM is imported.
 SAMPLER_ENV = {
@@ -22,6 +22,11 @@ SAMPLER_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+def engine_parameter_names(worker) -> list[str]:
+    """Run inside the vLLM worker: the names of the model's parameters as the engine stores them."""
+    return [name for name, _ in worker.model_runner.model.named_parameters()]
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class Sampler:
             enforce_eager=True,
         )
         self.version = 0
-        self.expected_names = checkpoint_names(model_path)
+        # what the engine holds (fused names included): every install must fill all of it
+        self.engine_params = set(self.llm.collective_rpc(engine_parameter_names)[0])
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Rollout]:
         """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index."""
@@ -83,13 +89,20 @@ class Sampler:
         tensors, timings = unpack(bundle)  # reads every bucket, refused or not: a collective stream stays aligned
         if bundle.version <= self.version:
             raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
-        check_names(bundle, self.expected_names)
+        check_names(bundle, self.engine_params)
         installed = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         self.version = bundle.version
         return {**timings, "install_s": time.perf_counter() - installed, "receive_s": time.perf_counter() - start}
+
+    def open_tpu_sync(self, plan) -> str:
+        """Listen for TPU Sync pushes laid out as `plan`; returns the endpoint the trainer pushes to."""
+        from rl_tpu.device import Device
+        from rl_tpu.sync_tpu import open_receiver
+
+        return open_receiver(plan, Device.resolve("auto").torch_device)
 
     def serving_version(self) -> int:
         return self.version

@@ -10,6 +10,7 @@ Transports (`sync.transport`):
 - `shm_file`: one safetensors file per bucket in a shared-memory folder (`sync.shm_dir`).
 - `collective`: a two-member gloo group between trainer rank 0 and the sampler, created on first
   use; each bucket is one broadcast of its bytes, in order.
+- `tpu_sync`: TPU Sync pushes between TPU hosts (`rl_tpu/sync_tpu.py`; not yet run on hardware).
 """
 
 from __future__ import annotations
@@ -82,12 +83,11 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
 
 
-def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+def plan_buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
     """Consecutive names grouped so that each group holds at most `bucket_bytes` (a larger tensor goes alone)."""
     groups: list[list[str]] = [[]]
     filled = 0
-    for name, tensor in state_dict.items():
-        size = tensor.nbytes
+    for name, size in sizes.items():
         if groups[-1] and filled + size > bucket_bytes:
             groups.append([])
             filled = 0
@@ -96,16 +96,28 @@ def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list
     return [g for g in groups if g]
 
 
-class ObjectStoreTransport:
+class Transport:
+    """Sender side of a transport: `put` stages one bucket and returns its handle; `flush` ends a bundle.
+
+    The receiver side is the class method `get(bucket) -> list of byte arrays`, one per spec.
+    """
+
+    name: str
+
+    def flush(self) -> None:
+        """Called after the last bucket of a bundle; transports that send per bucket have nothing left."""
+
+    def close(self) -> None:
+        """Release what the transport holds when the trainer shuts down."""
+
+
+class ObjectStoreTransport(Transport):
     name = "object_store"
 
     def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> Any:
         import ray
 
-        return [ray.put(buffers)]
-
-    def close(self) -> None:
-        """Objects are freed by Ray's reference counting once the last bundle is dropped."""
+        return [ray.put(buffers)]  # freed by Ray's reference counting once the last bundle is dropped
 
     @staticmethod
     def get(bucket: Bucket) -> list[np.ndarray]:
@@ -114,7 +126,7 @@ class ObjectStoreTransport:
         return ray.get(bucket.handle[0])
 
 
-class ShmFileTransport:
+class ShmFileTransport(Transport):
     name = "shm_file"
 
     def __init__(self, root: str = "/dev/shm/rl_tpu"):
@@ -152,7 +164,7 @@ class ShmFileTransport:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-class CollectiveTransport:
+class CollectiveTransport(Transport):
     """Broadcasts over a gloo group of two, {trainer rank 0: 0, sampler: 1}, made on the first bundle.
 
     `put` only queues a bucket and returns; a sender thread broadcasts the queue in order once the
@@ -201,24 +213,38 @@ class CollectiveTransport:
         return list(np.split(flat.numpy(), np.cumsum(sizes)[:-1]))
 
 
-TRANSPORTS = {"object_store": ObjectStoreTransport, "shm_file": ShmFileTransport, "collective": CollectiveTransport}
+CPU_TRANSPORTS = {"object_store": ObjectStoreTransport, "shm_file": ShmFileTransport,
+                  "collective": CollectiveTransport}
+TRANSPORT_NAMES = (*CPU_TRANSPORTS, "tpu_sync")
 
 
-def make_transport(name: str, shm_dir: str = "/dev/shm/rl_tpu"):
-    if name not in TRANSPORTS:
-        raise ValueError(f"sync.transport={name!r}: allowed values are {', '.join(TRANSPORTS)}")
-    return ShmFileTransport(shm_dir) if name == "shm_file" else TRANSPORTS[name]()
+def transport_class(name: str) -> type[Transport]:
+    if name == "tpu_sync":  # imported only when asked for: it is the TPU-only path
+        from rl_tpu.sync_tpu import TpuSyncTransport
+
+        return TpuSyncTransport
+    if name not in CPU_TRANSPORTS:
+        raise ValueError(f"sync.transport={name!r}: allowed values are {', '.join(TRANSPORT_NAMES)}")
+    return CPU_TRANSPORTS[name]
 
 
-def pack(state_dict: dict[str, torch.Tensor], version: int, transport=None, bucket_mb: float = 512) -> WeightBundle:
+def make_transport(name: str, shm_dir: str = "/dev/shm/rl_tpu") -> Transport:
+    cls = transport_class(name)
+    return cls(shm_dir) if cls is ShmFileTransport else cls()
+
+
+def pack(state_dict: dict[str, torch.Tensor], version: int, transport: Transport | None = None,
+         bucket_mb: float = 512) -> WeightBundle:
     """Trainer side: stage full CPU tensors as checksummed buckets through `transport`."""
     transport = transport or ObjectStoreTransport()
     buckets = []
-    for index, names in enumerate(plan_buckets(state_dict, int(bucket_mb * 2**20))):
+    sizes = {name: tensor.nbytes for name, tensor in state_dict.items()}
+    for index, names in enumerate(plan_buckets(sizes, int(bucket_mb * 2**20))):
         named = {n: state_dict[n].detach().cpu() for n in names}
         specs = tuple(spec_of(n, t) for n, t in named.items())
         buffers = [_as_bytes(t) for t in named.values()]
         buckets.append(Bucket(specs, checksum(specs, buffers), transport.put(version, index, named, buffers)))
+    transport.flush()
     num_bytes = sum(spec.num_bytes for bucket in buckets for spec in bucket.specs)
     return WeightBundle(version, transport.name, tuple(buckets), num_bytes)
 
@@ -226,30 +252,49 @@ def pack(state_dict: dict[str, torch.Tensor], version: int, transport=None, buck
 # Names a tied model may send or omit: the head shares the embedding's storage.
 TIED_NAMES = {"lm_head.weight"}
 
-
-def checkpoint_names(model_dir: str | Path) -> set[str]:
-    """Tensor names stored in a Hugging Face folder's safetensors files (what the engine was built from)."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for path in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            names.update(f.keys())
-    return names
+# Weights an engine stores fused, {engine weight: the Hugging Face weights it concatenates, in order}:
+# vLLM's attention and MLP layers for Llama/Qwen-style models. The one place names are mapped.
+FUSED_WEIGHTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
-def check_names(bundle: WeightBundle, expected: set[str]) -> None:
-    """Refuse a bundle that would leave some weights at the old version or name weights the model lacks."""
-    names = set(bundle.names)
-    missing, unexpected = expected - names - TIED_NAMES, names - expected - TIED_NAMES
-    if missing or unexpected:
+def engine_name(name: str, engine_params: set[str]) -> tuple[str, int]:
+    """The engine parameter a Hugging Face weight is loaded into, and how many weights fill it.
+
+    `model.layers.0.self_attn.k_proj.weight` -> (`model.layers.0.self_attn.qkv_proj.weight`, 3)
+    when the engine fuses q/k/v; otherwise the name itself, filled by one weight.
+    """
+    for fused, parts in FUSED_WEIGHTS.items():
+        for part in parts:
+            candidate = name.replace(f".{part}.", f".{fused}.")
+            if candidate != name and candidate in engine_params:
+                return candidate, len(parts)
+    return name, 1
+
+
+def check_names(bundle: WeightBundle, engine_params: set[str]) -> None:
+    """Refuse a bundle that would leave any engine weight, or part of a fused one, at the old version."""
+    filled: dict[str, set[str]] = {}
+    needed: dict[str, int] = {}
+    for name in bundle.names:
+        target, parts = engine_name(name, engine_params)
+        filled.setdefault(target, set()).add(name)
+        needed[target] = parts
+    missing = sorted(engine_params - filled.keys() - TIED_NAMES)
+    unexpected = sorted(filled.keys() - engine_params - TIED_NAMES)
+    partial = sorted(f"{target} ({len(names)} of {needed[target]})" for target, names in filled.items()
+                     if target in engine_params and len(names) != needed[target])
+    if missing or unexpected or partial:
         raise WeightSyncError(f"weight bundle v{bundle.version} does not match the served model: missing "
-                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}; nothing was installed")
+                              f"{missing[:5]}, unexpected {unexpected[:5]}, partly filled fused weights {partial[:5]}; "
+                              "nothing was installed")
 
 
 def unpack(bundle: WeightBundle) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
     """Sampler side: fetch and verify every bucket, then rebuild named tensors. Raises on any mismatch."""
-    get = TRANSPORTS[bundle.transport].get
+    get = transport_class(bundle.transport).get
     start = time.perf_counter()
     fetched = [(bucket, get(bucket)) for bucket in bundle.buckets]
     got = time.perf_counter()

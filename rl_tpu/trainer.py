@@ -173,6 +173,20 @@ class TrainerWorker:
             return None
         return sync.pack(state, version, self.transport, self.cfg.sync.bucket_mb)
 
+    def connect_tpu_sync(self, sampler) -> str | None:
+        """`sync.transport=tpu_sync` handshake: rank 0 plans the slots, the sampler listens, rank 0 connects."""
+        from rl_tpu.sync_tpu import SlotPlan
+
+        state = self.full_state_dict()  # every rank takes part in the gather
+        if self.rank != 0:
+            return None
+        import ray
+
+        plan = SlotPlan.of(state, int(self.cfg.sync.bucket_mb * 2**20))
+        endpoint = ray.get(sampler.open_tpu_sync.remote(plan))
+        self.transport.connect(plan, [endpoint], self.device.torch_device)
+        return endpoint
+
     def export(self, folder: str) -> str | None:
         """Write a Hugging Face folder (config, tokenizer, safetensors) atomically; rank 0 writes."""
         state = self.full_state_dict()

@@ -130,11 +130,48 @@ def test_pack_unpack_is_bit_exact_for_any_dtype(ray_cluster, transport, tmp_path
 
 
 def test_buckets_are_bounded_and_keep_order():
-    state = {f"w{i}": torch.zeros(n) for i, n in enumerate([10, 10, 30, 5, 100, 1])}  # float32: 4 bytes each
-    assert sync.plan_buckets(state, bucket_bytes=80) == [["w0", "w1"], ["w2"], ["w3"], ["w4"], ["w5"]]
-    assert sync.plan_buckets(state, bucket_bytes=10**6) == [list(state)]
+    sizes = {f"w{i}": 4 * n for i, n in enumerate([10, 10, 30, 5, 100, 1])}  # bytes of float32 tensors
+    assert sync.plan_buckets(sizes, bucket_bytes=80) == [["w0", "w1"], ["w2"], ["w3"], ["w4"], ["w5"]]
+    assert sync.plan_buckets(sizes, bucket_bytes=10**6) == [list(sizes)]
 
 
 def test_unknown_transport_names_allowed_values():
-    with pytest.raises(ValueError, match="allowed values are object_store, shm_file, collective"):
+    with pytest.raises(ValueError, match="allowed values are object_store, shm_file, collective, tpu_sync"):
         sync.make_transport("nccl")
+
+
+def bundle_named(names: list[str]) -> sync.WeightBundle:
+    specs = tuple(sync.TensorSpec(n, "float32", (1,)) for n in names)
+    return sync.WeightBundle(7, "object_store", (sync.Bucket(specs, "", None),), 4 * len(names))
+
+
+HF_LAYER = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
+# vLLM's Qwen3 parameter names (read from a running engine): q/k/v and gate/up are fused
+FUSED_ENGINE = {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                "model.embed_tokens.weight"}
+
+
+def test_names_map_onto_fused_engine_weights():
+    assert sync.engine_name("model.layers.0.self_attn.k_proj.weight", FUSED_ENGINE) == (
+        "model.layers.0.self_attn.qkv_proj.weight", 3)
+    assert sync.engine_name("model.layers.0.mlp.up_proj.weight", FUSED_ENGINE) == (
+        "model.layers.0.mlp.gate_up_proj.weight", 2)
+    assert sync.engine_name("model.layers.0.mlp.up_proj.weight", set(HF_LAYER)) == (
+        "model.layers.0.mlp.up_proj.weight", 1)  # an engine that does not fuse keeps the names
+    sync.check_names(bundle_named(HF_LAYER), FUSED_ENGINE)
+    sync.check_names(bundle_named(HF_LAYER), set(HF_LAYER))
+
+
+@pytest.mark.parametrize("names, message", [
+    ([n for n in HF_LAYER if "v_proj" not in n], r"partly filled fused weights \['model.layers.0.self_attn.qkv_proj"
+                                                  r".weight \(2 of 3\)'\]"),
+    ([n for n in HF_LAYER if "down_proj" not in n], r"missing \['model.layers.0.mlp.down_proj.weight'\]"),
+    ([*HF_LAYER, "model.layers.9.mlp.up_proj.weight"], r"unexpected \['model.layers.9.mlp.up_proj.weight'\]"),
+])
+def test_bundle_that_does_not_fill_the_engine_is_refused(names, message):
+    with pytest.raises(sync.WeightSyncError, match=message):
+        sync.check_names(bundle_named(names), FUSED_ENGINE)
