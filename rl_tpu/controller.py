@@ -164,6 +164,7 @@ def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, wo
         "sync/bytes": float(bundle.num_bytes),
         "sync/mb_per_s": bundle.num_bytes / 2**20 / (t4 - t3),
         "sync/receive_s": received["receive_s"],
+        "perf/sampler_peak_rss_mb": received["peak_rss_mb"],
     }
 
 

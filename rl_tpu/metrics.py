@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 from pathlib import Path
 
 from tqdm import tqdm
@@ -11,6 +12,11 @@ from tqdm import tqdm
 # Shown on the progress bar, in this order, when present.
 BAR_KEYS = {"reward/mean": "reward", "eval/accuracy": "eval", "actor/logprob_diff": "lp_diff",
             "time/step_s": "s/step", "sync/version": "v"}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class MetricsLogger:

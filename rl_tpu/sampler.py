@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from rl_tpu.metrics import peak_rss_mb
 from rl_tpu.rollout import Rollout
 from rl_tpu.sync import WeightBundle, WeightSyncError, check_names, unpack
 
@@ -95,7 +96,8 @@ class Sampler:
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         self.version = bundle.version
-        return {**timings, "install_s": time.perf_counter() - installed, "receive_s": time.perf_counter() - start}
+        return {**timings, "install_s": time.perf_counter() - installed, "receive_s": time.perf_counter() - start,
+                "peak_rss_mb": peak_rss_mb()}
 
     def open_tpu_sync(self, plan) -> str:
         """Listen for TPU Sync pushes laid out as `plan`; returns the endpoint the trainer pushes to."""

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from rl_tpu import algorithms, sync
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.device import Device
+from rl_tpu.metrics import peak_rss_mb
 from rl_tpu.parallelize import parallelize
 from rl_tpu.rollout import TrainBatch
 
@@ -157,6 +158,7 @@ class TrainerWorker:
             "actor/lr": self.scheduler.get_last_lr()[0],
             "time/train_s": seconds,
             "perf/train_tokens": tokens,
+            "perf/trainer_peak_rss_mb": peak_rss_mb(),  # this rank's (the controller keeps rank 0's)
         }
         out.update({k: v / tokens for k, v in total.items()})
         return out
