@@ -68,6 +68,7 @@ def policy_loss(
     dp_size: int,
     ref_log_prob: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss (+ optional KL and entropy terms) of one micro-batch.
 
@@ -81,7 +82,7 @@ def policy_loss(
     verl_cfg.global_batch_info.update(batch_info)
     loss, metrics = core_algos.compute_policy_loss_vanilla(
         old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
-        loss_agg_mode=agg_mode, config=verl_cfg,
+        loss_agg_mode=agg_mode, config=verl_cfg, rollout_is_weights=rollout_is_weights,
     )
     if cfg.use_kl_loss:
         kl = core_algos.kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=cfg.kl_loss_type)
@@ -92,3 +93,19 @@ def policy_loss(
         entropy_loss = core_algos.agg_loss(loss_mat=entropy, loss_mask=mask, loss_agg_mode=agg_mode, **batch_info)
         loss = loss - cfg.entropy_coeff * entropy_loss
     return loss, metrics
+
+
+def truncated_is_weights(log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, mask: torch.Tensor,
+                         threshold: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token truncated importance weights min(pi_trainer / pi_sampler, threshold), via verl.
+
+    Async mode trains on rollouts the sampler made with weights up to `trainer.max_staleness`
+    versions old; these weights correct the policy gradient for that (TIS).
+    """
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    weights, metrics = compute_rollout_correction_weights(
+        log_ratio=(log_prob - sampler_log_prob).detach(), response_mask=mask, rollout_is="token",
+        rollout_is_threshold=threshold)
+    keep = ("rollout_is_mean", "rollout_is_ratio_fraction_high")  # averages, so micro-batches can be pooled
+    return weights, {f"actor/{k}": float(v) for k, v in metrics.items() if k in keep}

@@ -112,6 +112,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
+    rollout_is_threshold: float = 2.0  # async mode: importance weights are truncated at this (TIS)
 
 
 @dataclass
@@ -133,6 +134,9 @@ class TrainerConfig:
     compile: bool = False
     threads_per_rank: int = 1
     total_steps: int = 100
+    # Async mode: the sampler generates up to this many steps ahead of the trainer, with weights up to
+    # this many versions old (corrected by truncated importance sampling); 0 is the synchronous loop.
+    max_staleness: int = 0
     eval_every: int = 10
     export: bool = True  # write the final policy as a Hugging Face folder
     checkpoint_every: int = 0  # steps between resumable checkpoints (0: none during the run)

@@ -1,9 +1,12 @@
 """The driver: builds the parts, then runs the loop (generate -> grade -> advantages -> train -> push weights).
 
-Synchronous on-policy mode: the sampler generates batch t with the weights of step t-1, and
-every rollout's weight version is checked against that. Grading a training batch cannot
-overlap its own generation in this mode (the next batch needs the weights it produces), but
-the held-out evaluation is graded while the sampler already generates the next batch.
+One loop for both modes. Synchronous (`trainer.max_staleness=0`): the sampler generates batch
+t with the weights of step t-1. Async (`max_staleness=k`): the sampler works up to k batches
+ahead, so batch t may come from weights t-1-k .. t-1 and the sampler generates while the
+trainer trains and the grader grades; the trainer corrects the policy gradient with truncated
+importance weights. Every rollout's weight version is checked against that window. The
+sampler runs its calls in order, so a generation queued before a weight install uses the
+older weights. The held-out evaluation is graded while the sampler generates the next batch.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import socket
 import statistics
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +52,9 @@ def validate(cfg: RunConfig) -> None:
                          f"trainer.world_size={cfg.trainer.world_size}")
     if cfg.sampler.n < 2 and cfg.algorithm.adv_estimator in algorithms.GROUP_ADV_ESTIMATORS:
         raise ValueError(f"sampler.n={cfg.sampler.n}: group advantages ({cfg.algorithm.adv_estimator}) need n >= 2")
+    if cfg.trainer.max_staleness < 0 or cfg.actor.rollout_is_threshold <= 1.0:
+        raise ValueError(f"trainer.max_staleness={cfg.trainer.max_staleness} must be >= 0 and "
+                         f"actor.rollout_is_threshold={cfg.actor.rollout_is_threshold} > 1")
     if cfg.sampler.temperature <= 0:
         raise ValueError(f"sampler.temperature={cfg.sampler.temperature} must be > 0 for training rollouts")
 
@@ -126,17 +133,20 @@ def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, wo
               grader: Grader, cfg: RunConfig) -> dict[str, float]:
     t0 = time.perf_counter()
     rollouts: list[Rollout] = ray.get(rollouts_ref)
-    stale = {r.weight_version for r in rollouts} - {step - 1}
-    if stale:
-        raise RuntimeError(f"step {step}: rollouts from weight versions {sorted(stale)}, expected {step - 1} (sync mode)")
+    oldest = step - 1 - cfg.trainer.max_staleness
+    outside = {r.weight_version for r in rollouts} - set(range(max(oldest, 0), step))
+    if outside:
+        raise RuntimeError(f"step {step}: rollouts from weight versions {sorted(outside)}, allowed {max(oldest, 0)} to "
+                           f"{step - 1} (trainer.max_staleness={cfg.trainer.max_staleness})")
     t1 = time.perf_counter()
     grades: Grades = grade(rollouts, prompts, tokenizer, grader).result()
     for rollout, reward in zip(rollouts, grades.scores):
         rollout.reward = reward
     advantages = algorithms.group_advantages(grades.scores, [r.group for r in rollouts], cfg.algorithm)
     t2 = time.perf_counter()
+    is_threshold = cfg.actor.rollout_is_threshold if cfg.trainer.max_staleness > 0 else None
     batch = ray.put(TrainBatch([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
-                               [r.logprobs for r in rollouts], advantages, cfg.sampler.temperature))
+                               [r.logprobs for r in rollouts], advantages, cfg.sampler.temperature, is_threshold))
     train = ray.get([t.train_step.remote(batch) for t in workers.trainers])[0]
     t3 = time.perf_counter()
     bundle = ray.get([t.publish_weights.remote(step) for t in workers.trainers])[0]
@@ -157,7 +167,8 @@ def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, wo
         "time/step_s": t4 - t0,
         "perf/gen_tokens_per_s": gen_tokens / (t1 - t0),
         "perf/train_tokens_per_s": train["perf/train_tokens"] / train["time/train_s"],
-        "rollout/weight_version": float(step - 1),
+        "rollout/weight_version": float(min(r.weight_version for r in rollouts)),
+        "rollout/staleness": float(step - 1 - min(r.weight_version for r in rollouts)),
         "sync/version": float(bundle.version),
         "sync/transport": bundle.transport,
         "sync/buckets": float(len(bundle.buckets)),
@@ -166,6 +177,27 @@ def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, wo
         "sync/receive_s": received["receive_s"],
         "perf/sampler_peak_rss_mb": received["peak_rss_mb"],
     }
+
+
+class RolloutQueue:
+    """Generations queued on the sampler in step order, each batch `trainer.max_staleness` steps ahead at most."""
+
+    def __init__(self, workers: Workers, prompt_batches, cfg: RunConfig, first_step: int):
+        self.workers, self.prompt_batches, self.cfg = workers, prompt_batches, cfg
+        self.pending: deque[tuple[list[Example], ray.ObjectRef]] = deque()
+        self.next_step = first_step  # the step whose batch is queued next
+
+    def fill_through(self, step: int) -> None:
+        """Queue every batch up to step `step + max_staleness` (and not past the last step)."""
+        last = min(step + self.cfg.trainer.max_staleness, self.cfg.trainer.total_steps)
+        while self.next_step <= last:
+            prompts = next(self.prompt_batches)
+            self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg)))
+            self.next_step += 1
+
+    def pop(self, step: int) -> tuple[list[Example], ray.ObjectRef]:
+        self.fill_through(step)
+        return self.pending.popleft()
 
 
 def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
@@ -258,16 +290,14 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
         prompt_batches = batches(train_examples, cfg.data.train_batch_size, cfg.data.seed)
         for _ in range(start_step):  # the same batches a run that never stopped would see next
             next(prompt_batches)
-        prompts = next(prompt_batches)
-        rollouts_ref = generate_batch(workers, prompts, cfg)
+        queue = RolloutQueue(workers, prompt_batches, cfg, first_step=start_step + 1)
         for step in range(start_step + 1, total + 1):
+            prompts, rollouts_ref = queue.pop(step)
             metrics = grpo_step(step, prompts, rollouts_ref, workers, tokenizer, grader, cfg)
             eval_ref = None
             if step % cfg.trainer.eval_every == 0 or step == total:
                 eval_ref = generate_eval(workers, eval_examples, max_tokens)
-            if step < total:  # queued on the sampler behind the evaluation, with this step's weights
-                prompts = next(prompt_batches)
-                rollouts_ref = generate_batch(workers, prompts, cfg)
+            queue.fill_through(step + 1)  # behind the evaluation on the sampler: this step's weights or older
             if eval_ref is not None:
                 metrics.update(finish_eval(eval_ref, eval_examples, tokenizer, grader))
                 evals.append(metrics["eval/accuracy"])

@@ -37,6 +37,8 @@ class TrainBatch:
     sampler_logprobs: list[list[float]]
     advantages: list[float]  # one scalar per sequence (outcome reward), broadcast over its tokens
     temperature: float
+    # Async mode: truncate importance weights (trainer / sampler probability) at this; None: on-policy, no weights
+    rollout_is_threshold: float | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -46,7 +48,7 @@ class TrainBatch:
         per_rank = -(-len(self) // world_size)
         sl = slice(rank * per_rank, (rank + 1) * per_rank)
         return TrainBatch(self.prompt_ids[sl], self.completion_ids[sl], self.sampler_logprobs[sl],
-                          self.advantages[sl], self.temperature)
+                          self.advantages[sl], self.temperature, self.rollout_is_threshold)
 
     def num_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)

@@ -120,10 +120,16 @@ class TrainerWorker:
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_log_prob, _ = token_logprobs(self.ref_model, t, batch.temperature, with_entropy=False)
-            # On-policy: one optimizer step per batch, so the behaviour policy is the current one.
+            # One optimizer step per batch: the PPO ratio is taken against the current weights (it is 1);
+            # rollouts from older weights (async mode) are reweighted by truncated importance sampling.
+            is_weights, is_metrics = None, {}
+            if batch.rollout_is_threshold is not None:
+                is_weights, is_metrics = algorithms.truncated_is_weights(
+                    log_prob, t["sampler_logprobs"], t["response_mask"], batch.rollout_is_threshold)
             loss, metrics = algorithms.policy_loss(
-                log_prob, log_prob.detach(), t["advantages"], t["response_mask"], actor,
-                global_tokens, global_seqs, self.world_size, ref_log_prob=ref_log_prob, entropy=entropy)
+                log_prob, log_prob.detach(), t["advantages"], t["response_mask"], actor, global_tokens, global_seqs,
+                self.world_size, ref_log_prob=ref_log_prob, entropy=entropy, rollout_is_weights=is_weights)
+            metrics.update(is_metrics)
             loss.backward()
             mask = t["response_mask"]
             n_tok = mask.sum().item()

@@ -110,3 +110,29 @@ def test_unknown_estimator_names_allowed_values():
     with pytest.raises(ValueError, match="allowed values are grpo, rloo"):
         algorithms.group_advantages([1.0, 0.0], [0, 0], AlgorithmConfig(adv_estimator="gaee"))
     assert np.isfinite(algorithms.group_advantages([1.0, 0.0], [0, 0], AlgorithmConfig(adv_estimator="rloo"))).all()
+
+
+def test_truncated_importance_weights_reweight_the_policy_gradient():
+    """Async mode: the gradient of each token is scaled by min(pi_trainer / pi_sampler, threshold)."""
+    torch.manual_seed(0)
+    log_prob = torch.log(torch.rand(2, 5) * 0.9 + 0.05).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.float32)
+    advantages = torch.tensor([[1.0] * 5, [-0.5] * 5])
+    # the sampler gave tokens 0-1 the trainer's probability, tokens 2-3 a third of it, token 4 twice it
+    shift = torch.tensor([0.0, 0.0, -np.log(3.0), -np.log(3.0), np.log(2.0)], dtype=torch.float32)
+    sampler = log_prob.detach() + shift
+    weights, metrics = algorithms.truncated_is_weights(log_prob, sampler, mask, threshold=2.0)
+    expected = torch.tensor([1.0, 1.0, 2.0, 2.0, 0.5]) * mask  # a ratio of 3 is truncated at 2
+    assert torch.allclose(weights, expected, atol=1e-6) and not weights.requires_grad
+    assert metrics["actor/rollout_is_ratio_fraction_high"] == pytest.approx(4 / 9)
+
+    def grad(is_weights):
+        log_prob.grad = None
+        loss, _ = algorithms.policy_loss(log_prob, log_prob.detach(), advantages, mask, ActorConfig(), 9, 2, 1,
+                                         rollout_is_weights=is_weights)
+        loss.backward()
+        return log_prob.grad.clone()
+
+    plain = grad(None)
+    assert torch.allclose(grad(weights), plain * expected, atol=1e-7)
+    assert torch.equal(grad(torch.ones_like(mask) * mask), plain)  # weights of 1: the on-policy gradient

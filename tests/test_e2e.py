@@ -134,3 +134,16 @@ def test_verl_plugin_trains_unchanged_through_the_verl_keys(tmp_path):
         assert 0.0 <= row["reward/extra/custom/exact"] <= row["reward/custom"] + 1e-9
         assert row["reward/extra/custom/answered"] >= row["reward/extra/custom/exact"]
     assert "eval/extra/custom/exact" in rows[2]
+
+
+def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_path):
+    """trainer.max_staleness=1: batch t comes from weights t-2 (after the first), reweighted by TIS."""
+    run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=4", "trainer.max_staleness=1")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")[1:]
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1, 2]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert [r["sync/version"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert 0.5 < row["actor/rollout_is_mean"] < 1.5 and 0.0 <= row["actor/rollout_is_ratio_fraction_high"] <= 1.0
+    # fresh rollouts agree with the trainer to float precision; stale ones were made by other weights
+    assert rows[0]["actor/logprob_diff"] < 1e-5 and all(r["actor/logprob_diff"] > 1e-5 for r in rows[1:])
