@@ -28,7 +28,7 @@ from rl_tpu.config import RunConfig, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
 from rl_tpu.device import Device
 from rl_tpu.grader import Grader, Grades, Sample, reward_sources
-from rl_tpu.metrics import MetricsLogger
+from rl_tpu.metrics import MetricsLogger, final_accuracy
 from rl_tpu.models import resolve_model_path
 from rl_tpu.rollout import Rollout, TrainBatch
 from rl_tpu.sampler import SamplingSettings, launch_sampler
@@ -313,7 +313,7 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
         grader.close()
     summary = {
         "eval/accuracy_start": evals[0],
-        "eval/accuracy_final": statistics.fmean(evals[1:][-3:]) if len(evals) > 1 else evals[0],
+        "eval/accuracy_final": final_accuracy(evals),
         "time/wall_s": time.perf_counter() - started,
     }
     log.info("held-out accuracy: %.1f%% after warm start -> %.1f%% after GRPO (mean of last %d evals); %.0f s",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import statistics
 from pathlib import Path
 
 from tqdm import tqdm
@@ -12,6 +13,11 @@ from tqdm import tqdm
 # Shown on the progress bar, in this order, when present.
 BAR_KEYS = {"reward/mean": "reward", "eval/accuracy": "eval", "actor/logprob_diff": "lp_diff",
             "time/step_s": "s/step", "sync/version": "v"}
+
+
+def final_accuracy(evals: list[float]) -> float:
+    """A run's result: the mean of its last three evaluations after the first (which precedes training)."""
+    return statistics.fmean(evals[1:][-3:]) if len(evals) > 1 else (evals[0] if evals else math.nan)
 
 
 def peak_rss_mb() -> float:
