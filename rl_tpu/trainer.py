@@ -174,9 +174,18 @@ class TrainerWorker:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
+    def served_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights in the dtype the sampler serves (`model.dtype`): bf16 halves what a sync moves.
+
+        The engine would round the fp32 master weights to its dtype on load anyway; rounding here
+        gives it the same values.
+        """
+        dtype = getattr(torch, value_of(self.cfg.model.dtype))
+        return {name: tensor.to(dtype) for name, tensor in self.full_state_dict().items()}
+
     def publish_weights(self, version: int) -> sync.WeightBundle | None:
         """Gather the full weights; rank 0 returns the bundle for the sampler, other ranks None."""
-        state = self.full_state_dict()
+        state = self.served_state_dict()
         if self.rank != 0:
             return None
         return sync.pack(state, version, self.transport, self.cfg.sync.bucket_mb)
@@ -185,7 +194,7 @@ class TrainerWorker:
         """`sync.transport=tpu_sync` handshake: rank 0 plans the slots, the sampler listens, rank 0 connects."""
         from rl_tpu.sync_tpu import SlotPlan
 
-        state = self.full_state_dict()  # every rank takes part in the gather
+        state = self.served_state_dict()  # every rank takes part in the gather
         if self.rank != 0:
             return None
         import ray

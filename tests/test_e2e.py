@@ -147,3 +147,15 @@ def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_pat
         assert 0.5 < row["actor/rollout_is_mean"] < 1.5 and 0.0 <= row["actor/rollout_is_ratio_fraction_high"] <= 1.0
     # fresh rollouts agree with the trainer to float precision; stale ones were made by other weights
     assert rows[0]["actor/logprob_diff"] < 1e-5 and all(r["actor/logprob_diff"] > 1e-5 for r in rows[1:])
+
+
+def test_bf16_run_trains_and_syncs_bf16_weights(three_step_run, tmp_path):
+    """model.dtype=bfloat16 (the real-model recipes' setting): bf16 engine, bf16 bundles of half the bytes."""
+    run_cli(tmp_path / "run", three_step_run[0] / "cache", "trainer.total_steps=2", "model.dtype=bfloat16",
+            "trainer.world_size=1")
+    fp32 = read_metrics(three_step_run[0] / "run" / "metrics.jsonl")[1]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")[1:]
+    for row in rows:
+        assert row["sync/bytes"] * 2 == fp32["sync/bytes"]
+        # bf16 rounding on both sides: far above fp32's 1e-7, far below a mismatched model's ~1
+        assert 1e-5 < row["actor/logprob_diff"] < 0.05
