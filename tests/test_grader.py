@@ -174,3 +174,15 @@ def test_verl_alias_names_the_plugin(plugin):
                                CustomRewardConfig(path=str(plugin), name="async_score"))
     assert (source.label, source.path, source.function, source.kwargs) == ("custom", str(plugin), "async_score",
                                                                            (("bonus", 1),))
+
+
+def test_math_reward_runs_in_the_pool_with_its_own_timeouts():
+    """math-verify uses SIGALRM, which works in a worker's main thread (not in the driver's grading thread)."""
+    grader = Grader(RewardConfig(name="math", num_workers=2))
+    try:
+        grades = grader.submit([Sample("math", "so $\\boxed{\\frac{1}{2}}$", "0.5", {}),
+                                Sample("math", "so $\\boxed{3}$", "\\sqrt{9}", {}),
+                                Sample("math", "so $\\boxed{(0,1)}$", "[0,1]", {})]).result(timeout=60)
+        assert grades.scores == [1.0, 1.0, 0.0] and not grades.failures
+    finally:
+        grader.close()
