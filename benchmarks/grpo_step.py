@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from rl_tpu import controller  # noqa: E402
 from rl_tpu.config import DataConfig, RunConfig, TinyModelConfig  # noqa: E402
-from rl_tpu.data import arithmetic_rows, batches, load_examples, write_parquet_atomic  # noqa: E402
+from rl_tpu.data import arithmetic_rows, batches, load_examples, write_verl_parquet  # noqa: E402
 from rl_tpu.device import Device  # noqa: E402
 from rl_tpu.grader import Grader  # noqa: E402
 from rl_tpu.metrics import peak_rss_mb  # noqa: E402
@@ -57,7 +57,7 @@ def build_workload(folder: Path) -> tuple[Path, Path]:
     model = folder / "reference-model"
     build_tiny_arith(TinyModelConfig(split_digits=False, warm_start_steps=0), DataConfig(), model)
     data = folder / "reference.parquet"
-    write_parquet_atomic(arithmetic_rows("+-*", 99, "train", reference_problems()), data)
+    write_verl_parquet(arithmetic_rows("+-*", 99, "train", reference_problems()), data)
     return model, data
 
 

@@ -98,13 +98,6 @@ def split_arithmetic_problems(
     return problems[num_eval:], problems[:num_eval]
 
 
-def write_parquet_atomic(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    pd.DataFrame(rows).to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-
-
 def ensure_arithmetic_dataset(cache_dir: Path, ops: str, max_operand: int, num_eval: int, seed: int) -> tuple[Path, Path]:
     """Write the train / test parquet files once per setting; return their paths."""
     key = hashlib.sha256(json.dumps([ops, max_operand, num_eval, seed]).encode()).hexdigest()[:12]
@@ -112,8 +105,8 @@ def ensure_arithmetic_dataset(cache_dir: Path, ops: str, max_operand: int, num_e
     train_path, test_path = folder / "train.parquet", folder / "test.parquet"
     if not (train_path.exists() and test_path.exists()):
         train, test = split_arithmetic_problems(ops, max_operand, num_eval, seed)
-        write_parquet_atomic(arithmetic_rows(ops, max_operand, "train", train), train_path)
-        write_parquet_atomic(arithmetic_rows(ops, max_operand, "test", test), test_path)
+        write_verl_parquet(arithmetic_rows(ops, max_operand, "train", train), train_path)
+        write_verl_parquet(arithmetic_rows(ops, max_operand, "test", test), test_path)
     return train_path, test_path
 
 

@@ -159,3 +159,16 @@ def test_bf16_run_trains_and_syncs_bf16_weights(three_step_run, tmp_path):
         assert row["sync/bytes"] * 2 == fp32["sync/bytes"]
         # bf16 rounding on both sides: far above fp32's 1e-7, far below a mismatched model's ~1
         assert 1e-5 < row["actor/logprob_diff"] < 0.05
+
+
+def test_a_failing_plugin_stops_the_run_with_its_name_and_traceback(tmp_path):
+    plugin = tmp_path / "broken_reward.py"
+    plugin.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise KeyError('answer_field')\n")
+    cmd = [sys.executable, "-m", "rl_tpu.main", "+recipe=grpo_math", f"hydra.run.dir={tmp_path / 'run'}",
+           f"cache_dir={tmp_path / 'cache'}", "model.tiny.warm_start_steps=0", "data.num_eval=16",
+           "trainer.total_steps=2", f"reward.custom.path={plugin}"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "RewardError" in result.stderr and f"{plugin}:compute_score" in result.stderr
+    assert "16 of 16 samples failed to score" in result.stderr and "KeyError: 'answer_field'" in result.stderr
