@@ -133,15 +133,14 @@ def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, wo
               grader: Grader, cfg: RunConfig) -> dict[str, float]:
     t0 = time.perf_counter()
     rollouts: list[Rollout] = ray.get(rollouts_ref)
-    oldest = step - 1 - cfg.trainer.max_staleness
-    outside = {r.weight_version for r in rollouts} - set(range(max(oldest, 0), step))
+    allowed = range(max(step - 1 - cfg.trainer.max_staleness, 0), step)
+    outside = {r.weight_version for r in rollouts} - set(allowed)
     if outside:
-        raise RuntimeError(f"step {step}: rollouts from weight versions {sorted(outside)}, allowed {max(oldest, 0)} to "
+        raise RuntimeError(f"step {step}: rollouts from weight versions {sorted(outside)}, allowed {allowed.start} to "
                            f"{step - 1} (trainer.max_staleness={cfg.trainer.max_staleness})")
+    oldest_used = min(r.weight_version for r in rollouts)
     t1 = time.perf_counter()
     grades: Grades = grade(rollouts, prompts, tokenizer, grader).result()
-    for rollout, reward in zip(rollouts, grades.scores):
-        rollout.reward = reward
     advantages = algorithms.group_advantages(grades.scores, [r.group for r in rollouts], cfg.algorithm)
     t2 = time.perf_counter()
     is_threshold = cfg.actor.rollout_is_threshold if cfg.trainer.max_staleness > 0 else None
@@ -167,8 +166,8 @@ def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, wo
         "time/step_s": t4 - t0,
         "perf/gen_tokens_per_s": gen_tokens / (t1 - t0),
         "perf/train_tokens_per_s": train["perf/train_tokens"] / train["time/train_s"],
-        "rollout/weight_version": float(min(r.weight_version for r in rollouts)),
-        "rollout/staleness": float(step - 1 - min(r.weight_version for r in rollouts)),
+        "rollout/weight_version": float(oldest_used),
+        "rollout/staleness": float(step - 1 - oldest_used),
         "sync/version": float(bundle.version),
         "sync/transport": bundle.transport,
         "sync/buckets": float(len(bundle.buckets)),

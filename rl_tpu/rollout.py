@@ -7,7 +7,7 @@ consumes: rollouts flattened with their advantages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -18,8 +18,6 @@ class Rollout:
     weight_version: int
     finish_reason: str  # "stop" (eos) or "length"
     group: int = 0  # index of the prompt in its batch; GRPO normalises within a group
-    reward: float = 0.0
-    reward_info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
