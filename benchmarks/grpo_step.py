@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO))
 from rl_tpu import controller  # noqa: E402
 from rl_tpu.config import DataConfig, RunConfig, TinyModelConfig  # noqa: E402
 from rl_tpu.data import arithmetic_rows, batches, load_examples, write_verl_parquet  # noqa: E402
-from rl_tpu.device import Device  # noqa: E402
 from rl_tpu.grader import Grader  # noqa: E402
 from rl_tpu.metrics import peak_rss_mb  # noqa: E402
 from rl_tpu.models import build_tiny_arith  # noqa: E402
+from rl_tpu.workers import start_workers  # noqa: E402
 
 NUM_PROBLEMS = 1024
 
@@ -82,7 +82,9 @@ def measure(cfg: RunConfig, model: Path, steps: int, warmup: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model)
     examples = load_examples(cfg.data.train_files, tokenizer, cfg.data)
     grader = Grader(cfg.reward)
-    workers = controller.start_workers(cfg, model, Device.resolve("cpu"))
+    run_dir = Path(tempfile.mkdtemp(prefix="grpo_step-"))
+    workers = start_workers(cfg, model, run_dir, "cpu")
+    layout = workers.reservation.plan.layout
     rows = []
     try:
         prompt_batches = batches(examples, cfg.data.train_batch_size, cfg.data.seed)
@@ -100,6 +102,8 @@ def measure(cfg: RunConfig, model: Path, steps: int, warmup: int) -> dict:
 
     return {
         "threads": cfg.trainer.threads_per_rank,
+        "engines": cfg.sampler.num_engines,
+        "layout": layout,
         "step_s": median("time/step_s"),
         "generate_s": median("time/generate_s"),
         "reward_s": median("time/reward_s"),

@@ -27,6 +27,12 @@ class DeviceKind(str, Enum):
     tpu = "tpu"
 
 
+class Layout(str, Enum):
+    auto = "auto"  # disaggregated when the devices can hold trainer and engines apart, else colocated
+    colocated = "colocated"  # engines share the trainer ranks' devices (on CUDA they sleep while it trains)
+    disaggregated = "disaggregated"  # engines on devices of their own
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -95,9 +101,14 @@ class SamplerConfig:
     top_p: float = 1.0
     top_k: int = -1  # off: vLLM renormalises logprobs over kept tokens, which the trainer does not
     response_length: int = 16  # max new tokens
-    kv_cache_gb: float = 1.0
-    seed: int = 0
-    num_cpus: float = 1.0
+    kv_cache_gb: Optional[float] = 1.0  # the engine's KV cache; None on an accelerator: gpu_memory_utilization decides
+    # the share of an accelerator's memory the engine may take; None: 0.85 on a device of its own, 0.4 colocated
+    gpu_memory_utilization: Optional[float] = None
+    seed: int = 0  # engine i samples with seed + i
+    num_cpus: float = 1.0  # CPUs reserved for each engine
+    num_engines: int = 1  # vLLM engines (Ray actors); each receives every weight version and a share of each batch
+    # place engines only on Ray nodes with these labels (`ray start --labels=role=sampler`); {}: anywhere
+    node_labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,6 +144,8 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     threads_per_rank: int = 1
+    # place trainer ranks only on Ray nodes with these labels (`ray start --labels=role=trainer`); {}: anywhere
+    node_labels: dict[str, str] = field(default_factory=dict)
     total_steps: int = 100
     # Async mode: the sampler generates up to this many steps ahead of the trainer, with weights up to
     # this many versions old (corrected by truncated importance sampling); 0 is the synchronous loop.
@@ -183,14 +196,18 @@ class RewardConfig:
 
 @dataclass
 class RayConfig:
-    address: Optional[str] = None  # None: start a local cluster
+    address: Optional[str] = None  # None: start a local cluster; `auto`: join the cluster this node belongs to
     num_cpus: Optional[int] = None  # None: the core count plus one, so the sampler is never starved
     object_store_mb: int = 512
+    placement_timeout_s: float = 120.0  # stop when the actors cannot be placed within this long
+    start_timeout_s: float = 900.0  # actors loading their model (vLLM start-up, FSDP sharding)
+    call_timeout_s: float = 3600.0  # any one call on an actor during the run (a step, a sync, a checkpoint)
 
 
 @dataclass
 class RunConfig:
-    device: DeviceKind = DeviceKind.auto
+    device: DeviceKind = DeviceKind.auto  # auto: what the Ray cluster has (GPU, then TPU), else the CPU
+    placement: Layout = Layout.auto  # where trainer ranks and engines run (rl_tpu/placement.py)
     seed: int = 0
     cache_dir: Optional[str] = None  # built models and datasets; default ~/.cache/rl_tpu
     model: ModelConfig = field(default_factory=ModelConfig)

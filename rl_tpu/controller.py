@@ -13,26 +13,24 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import statistics
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 
-from rl_tpu import algorithms
+from rl_tpu import algorithms, placement
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
-from rl_tpu.device import Device
 from rl_tpu.grader import Grader, Grades, Sample, reward_sources
 from rl_tpu.metrics import MetricsLogger, final_accuracy
 from rl_tpu.models import resolve_model_path
 from rl_tpu.rollout import Rollout, TrainBatch
-from rl_tpu.sampler import SamplingSettings, launch_sampler
-from rl_tpu.trainer import TrainerWorker
+from rl_tpu.sampler import SamplingSettings
+from rl_tpu.sampler_pool import PendingRollouts
+from rl_tpu.workers import Workers, start_workers
 
 log = logging.getLogger(__name__)
 
@@ -57,45 +55,7 @@ def validate(cfg: RunConfig) -> None:
                          f"actor.rollout_is_threshold={cfg.actor.rollout_is_threshold} > 1")
     if cfg.sampler.temperature <= 0:
         raise ValueError(f"sampler.temperature={cfg.sampler.temperature} must be > 0 for training rollouts")
-
-
-@dataclass
-class Workers:
-    trainers: list  # Ray actor handles of TrainerWorker, rank order
-    sampler: object  # Ray actor handle of Sampler
-
-    def shutdown(self) -> None:
-        for handle in [self.sampler, *self.trainers]:
-            try:
-                ray.get(handle.shutdown.remote(), timeout=60)
-            except Exception as err:  # a dead actor has nothing left to release
-                log.warning("shutdown of %s failed: %s", handle, err)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_workers(cfg: RunConfig, model_path: Path, device: Device) -> Workers:
-    port = free_port()
-    trainer_cls = ray.remote(TrainerWorker)
-    trainers = [
-        trainer_cls.options(num_cpus=cfg.trainer.threads_per_rank, **device.ray_resources(),
-                            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.threads_per_rank)}})
-        .remote(cfg, str(model_path), rank, cfg.trainer.world_size, "127.0.0.1", port)
-        for rank in range(cfg.trainer.world_size)
-    ]
-    dtype = value_of(cfg.model.dtype)
-    max_len = cfg.data.max_prompt_length + cfg.sampler.response_length
-    sampler = launch_sampler(str(model_path), dtype, max_len, cfg.sampler.kv_cache_gb, cfg.sampler.seed,
-                             cfg.sampler.num_cpus, device.ray_resources())
-    # Surface start-up errors (bad model folder, backend problems) here rather than at the first step.
-    ray.get([sampler.serving_version.remote(), *[t.__ray_ready__.remote() for t in trainers]])
-    if value_of(cfg.sync.transport) == "tpu_sync":
-        ray.get([t.connect_tpu_sync.remote(sampler) for t in trainers])
-    return Workers(trainers, sampler)
+    placement.check_request(cfg)
 
 
 def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Future:
@@ -108,31 +68,32 @@ def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Gr
     return grader.submit(samples)
 
 
-def generate_eval(workers: Workers, examples: list[Example], max_tokens: int) -> ray.ObjectRef:
+def generate_eval(workers: Workers, examples: list[Example], max_tokens: int) -> PendingRollouts:
     """Greedy completions of the held-out prompts, with the weights the sampler serves."""
     greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=max_tokens, logprobs=False)
-    return workers.sampler.generate.remote([e.prompt_ids for e in examples], greedy)
+    return workers.samplers.generate([e.prompt_ids for e in examples], greedy)
 
 
-def finish_eval(eval_ref: ray.ObjectRef, examples: list[Example], tokenizer, grader: Grader) -> dict[str, float]:
+def finish_eval(pending: PendingRollouts, examples: list[Example], tokenizer, grader: Grader,
+                timeout_s: float) -> dict[str, float]:
     start = time.perf_counter()
-    rollouts = ray.get(eval_ref)
+    rollouts = pending.result(timeout_s)
     grades: Grades = grade(rollouts, examples, tokenizer, grader).result()
     return {"eval/accuracy": statistics.fmean(grades.components[grader.primary]),
             "eval/reward": statistics.fmean(grades.scores), **grades.metrics("eval"),
             "time/eval_wait_s": time.perf_counter() - start}
 
 
-def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig) -> ray.ObjectRef:
+def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig) -> PendingRollouts:
     s = cfg.sampler
     settings = SamplingSettings(s.n, s.temperature, s.top_p, s.top_k, s.response_length)
-    return workers.sampler.generate.remote([p.prompt_ids for p in prompts], settings)
+    return workers.samplers.generate([p.prompt_ids for p in prompts], settings)
 
 
-def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, workers: Workers, tokenizer,
+def grpo_step(step: int, prompts: list[Example], pending: PendingRollouts, workers: Workers, tokenizer,
               grader: Grader, cfg: RunConfig) -> dict[str, float]:
     t0 = time.perf_counter()
-    rollouts: list[Rollout] = ray.get(rollouts_ref)
+    rollouts: list[Rollout] = pending.result(cfg.ray.call_timeout_s)
     allowed = range(max(step - 1 - cfg.trainer.max_staleness, 0), step)
     outside = {r.weight_version for r in rollouts} - set(allowed)
     if outside:
@@ -144,12 +105,12 @@ def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, wo
     advantages = algorithms.group_advantages(grades.scores, [r.group for r in rollouts], cfg.algorithm)
     t2 = time.perf_counter()
     is_threshold = cfg.actor.rollout_is_threshold if cfg.trainer.max_staleness > 0 else None
-    batch = ray.put(TrainBatch([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
-                               [r.logprobs for r in rollouts], advantages, cfg.sampler.temperature, is_threshold))
-    train = ray.get([t.train_step.remote(batch) for t in workers.trainers])[0]
+    workers.release_devices()
+    train = workers.train(TrainBatch([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
+                                     [r.logprobs for r in rollouts], advantages, cfg.sampler.temperature, is_threshold))
     t3 = time.perf_counter()
-    bundle = ray.get([t.publish_weights.remote(step) for t in workers.trainers])[0]
-    received = ray.get(workers.sampler.install.remote(bundle))
+    bundle = workers.publish(step)
+    received = workers.install(bundle)
     t4 = time.perf_counter()
     gen_tokens = sum(len(r.completion_ids) for r in rollouts)
     return {
@@ -175,6 +136,8 @@ def grpo_step(step: int, prompts: list[Example], rollouts_ref: ray.ObjectRef, wo
         "sync/mb_per_s": bundle.num_bytes / 2**20 / (t4 - t3),
         "sync/receive_s": received["receive_s"],
         "perf/sampler_peak_rss_mb": received["peak_rss_mb"],
+        **{k: v for k, v in received.items() if k.startswith("sampler/")},
+        **pending.shares(),
     }
 
 
@@ -183,7 +146,7 @@ class RolloutQueue:
 
     def __init__(self, workers: Workers, prompt_batches, cfg: RunConfig, first_step: int):
         self.workers, self.prompt_batches, self.cfg = workers, prompt_batches, cfg
-        self.pending: deque[tuple[list[Example], ray.ObjectRef]] = deque()
+        self.pending: deque[tuple[list[Example], PendingRollouts]] = deque()
         self.next_step = first_step  # the step whose batch is queued next
 
     def fill_through(self, step: int) -> None:
@@ -194,7 +157,7 @@ class RolloutQueue:
             self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg)))
             self.next_step += 1
 
-    def pop(self, step: int) -> tuple[list[Example], ray.ObjectRef]:
+    def pop(self, step: int) -> tuple[list[Example], PendingRollouts]:
         self.fill_through(step)
         return self.pending.popleft()
 
@@ -213,7 +176,7 @@ CHECKPOINT_PREFIX = "step_"
 
 def save_checkpoint(workers: Workers, run_dir: Path, step: int) -> Path:
     folder = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step}"
-    ray.get([t.save_checkpoint.remote(str(folder)) for t in workers.trainers])
+    workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder))
     return folder
 
 
@@ -233,9 +196,8 @@ def resume(cfg: RunConfig, workers: Workers) -> int:
         return 0
     checkpoint = latest_checkpoint(Path(cfg.trainer.resume_from).expanduser())
     step = int(checkpoint.name.removeprefix(CHECKPOINT_PREFIX))
-    ray.get([t.load_checkpoint.remote(str(checkpoint)) for t in workers.trainers])
-    bundle = ray.get([t.publish_weights.remote(step) for t in workers.trainers])[0]
-    ray.get(workers.sampler.install.remote(bundle))
+    workers.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
+    workers.install(workers.publish(step))
     log.info("resumed from %s at step %d", checkpoint, step)
     return step
 
@@ -263,27 +225,26 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
 
     started = time.perf_counter()
     validate(cfg)
-    device = Device.resolve(cfg.device)
-    if value_of(cfg.sync.transport) == "tpu_sync" and device.kind != "tpu":
-        raise ValueError(f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {device.kind}: "
-                         "use object_store, shm_file or collective")
     cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "rl_tpu").expanduser()
     model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
     grader = Grader(cfg.reward, cfg.custom_reward_function)
-    log.info("model %s, %d train / %d eval prompts, reward %s, device %s", model_path, len(train_examples),
-             len(eval_examples), grader.describe(), device.kind)
-
     start_ray(cfg)
-    workers = start_workers(cfg, model_path, device)
+    kind = placement.device_kind(cfg.device, ray.cluster_resources())
+    if value_of(cfg.sync.transport) == "tpu_sync" and kind != "tpu":
+        raise ValueError(f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {kind}: "
+                         "use object_store, shm_file or collective")
+    log.info("model %s, %d train / %d eval prompts, reward %s, device %s", model_path, len(train_examples),
+             len(eval_examples), grader.describe(), kind)
+    workers = start_workers(cfg, model_path, run_dir, kind)
     total = cfg.trainer.total_steps
     logger = MetricsLogger(run_dir, total, show_progress=show_progress)
     evals: list[float] = []
-    max_tokens = cfg.sampler.response_length
+    max_tokens, timeout = cfg.sampler.response_length, cfg.ray.call_timeout_s
     try:
         start_step = resume(cfg, workers)
-        first = finish_eval(generate_eval(workers, eval_examples, max_tokens), eval_examples, tokenizer, grader)
+        first = finish_eval(generate_eval(workers, eval_examples, max_tokens), eval_examples, tokenizer, grader, timeout)
         evals.append(first["eval/accuracy"])
         logger.log(start_step, {**first, "sync/version": float(start_step)})
         prompt_batches = batches(train_examples, cfg.data.train_batch_size, cfg.data.seed)
@@ -291,21 +252,21 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
             next(prompt_batches)
         queue = RolloutQueue(workers, prompt_batches, cfg, first_step=start_step + 1)
         for step in range(start_step + 1, total + 1):
-            prompts, rollouts_ref = queue.pop(step)
-            metrics = grpo_step(step, prompts, rollouts_ref, workers, tokenizer, grader, cfg)
-            eval_ref = None
+            prompts, pending = queue.pop(step)
+            metrics = grpo_step(step, prompts, pending, workers, tokenizer, grader, cfg)
+            pending_eval = None
             if step % cfg.trainer.eval_every == 0 or step == total:
-                eval_ref = generate_eval(workers, eval_examples, max_tokens)
+                pending_eval = generate_eval(workers, eval_examples, max_tokens)
             queue.fill_through(step + 1)  # behind the evaluation on the sampler: this step's weights or older
-            if eval_ref is not None:
-                metrics.update(finish_eval(eval_ref, eval_examples, tokenizer, grader))
+            if pending_eval is not None:
+                metrics.update(finish_eval(pending_eval, eval_examples, tokenizer, grader, timeout))
                 evals.append(metrics["eval/accuracy"])
             logger.log(step, metrics)
             every = cfg.trainer.checkpoint_every
             if (every and step % every == 0) or (step == total and cfg.trainer.checkpoint_final):
                 save_checkpoint(workers, run_dir, step)
         if cfg.trainer.export:
-            ray.get([t.export.remote(str(run_dir / "export")) for t in workers.trainers])
+            workers.on_trainers("export", "exporting the policy", str(run_dir / "export"))
     finally:
         logger.close()
         workers.shutdown()

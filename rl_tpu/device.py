@@ -60,10 +60,6 @@ class Device:
     def compile_backend(self) -> str:
         return _BACKENDS[self.kind][1]
 
-    def ray_resources(self) -> dict[str, float]:
-        """What a Ray actor holding one rank of this device reserves besides CPUs."""
-        return {"num_gpus": 1} if self.kind == "cuda" else ({"resources": {"TPU": 1}} if self.kind == "tpu" else {})
-
     def synchronize(self) -> None:
         if self.kind != "cpu":
             torch.accelerator.synchronize()

@@ -12,7 +12,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from rl_tpu.actor_logs import send_output_to_file
 from rl_tpu.metrics import peak_rss_mb
+from rl_tpu.placement import where_am_i
 from rl_tpu.rollout import Rollout
 from rl_tpu.sync import WeightBundle, WeightSyncError, check_names, unpack
 
@@ -40,20 +42,41 @@ class SamplingSettings:
     logprobs: bool = True
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How one engine of several is set up beside the model and sampling settings."""
+
+    index: int = 0  # its place among the engines: its receiver rank in a collective weight broadcast
+    log_dir: str | None = None  # its output goes to LOG_DIR/sampler_<index>.log
+    sleep_mode: bool = False  # CUDA, colocated: release the device while the trainer trains
+    gpu_memory_utilization: float | None = None  # None: vLLM's default
+
+
 class Sampler:
-    def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gb: float, seed: int):
+    def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gb: float | None, seed: int,
+                 options: EngineOptions = EngineOptions()):
+        self.name = f"sampler_{options.index}"
+        send_output_to_file(options.log_dir, self.name)
         for key, value in SAMPLER_ENV.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
+        from vllm.platforms import current_platform
 
+        if kv_cache_gb is None and current_platform.is_cpu():
+            raise ValueError("sampler.kv_cache_gb is required on CPU (vLLM would otherwise claim most of the RAM)")
+        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
+        if options.gpu_memory_utilization is not None and not current_platform.is_cpu():
+            memory["gpu_memory_utilization"] = options.gpu_memory_utilization
+        self.options = options
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
-            kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
             enforce_eager=True,
+            enable_sleep_mode=options.sleep_mode,
+            **memory,
         )
         self.version = 0
         # what the engine holds (fused names included): every install must fill all of it
@@ -87,7 +110,8 @@ class Sampler:
     def install(self, bundle: WeightBundle) -> dict[str, float]:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong."""
         start = time.perf_counter()
-        tensors, timings = unpack(bundle)  # reads every bucket, refused or not: a collective stream stays aligned
+        # reads every bucket, refused or not: a collective stream stays aligned
+        tensors, timings = unpack(bundle, receiver=self.options.index)
         if bundle.version <= self.version:
             raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
         check_names(bundle, self.engine_params)
@@ -97,7 +121,16 @@ class Sampler:
         self.llm.reset_prefix_cache()
         self.version = bundle.version
         return {**timings, "install_s": time.perf_counter() - installed, "receive_s": time.perf_counter() - start,
-                "peak_rss_mb": peak_rss_mb()}
+                "peak_rss_mb": peak_rss_mb(), "version": self.version}
+
+    def sleep(self) -> None:
+        """Give the device to the trainer: weights to host memory, KV cache dropped (sleep mode only)."""
+        if self.options.sleep_mode:
+            self.llm.sleep(level=1, mode="wait")
+
+    def wake_up(self) -> None:
+        if self.options.sleep_mode:
+            self.llm.wake_up()
 
     def open_tpu_sync(self, plan) -> str:
         """Listen for TPU Sync pushes laid out as `plan`; returns the endpoint the trainer pushes to."""
@@ -109,6 +142,9 @@ class Sampler:
     def serving_version(self) -> int:
         return self.version
 
+    def where(self) -> dict:
+        return {**where_am_i(), "actor": self.name}
+
     def shutdown(self) -> None:
         """Release the engine before the actor exits (a lingering engine leaks shared memory)."""
         engine = getattr(self, "llm", None)
@@ -117,13 +153,16 @@ class Sampler:
             del self.llm
 
 
-def launch_sampler(model_path: str, dtype: str, max_model_len: int, kv_cache_gb: float, seed: int,
-                   num_cpus: float = 1.0, resources: dict | None = None):
-    """Start a `Sampler` as a Ray actor in its own process, with the environment vLLM needs."""
+def launch_sampler(model_path: str, dtype: str, max_model_len: int, kv_cache_gb: float | None, seed: int,
+                   options: EngineOptions = EngineOptions(), ray_options: dict | None = None):
+    """Start a `Sampler` as a Ray actor in its own process, with the environment vLLM needs.
+
+    `ray_options` are Ray's actor options (resources, placement); by default one CPU.
+    """
     import ray
 
     return (
         ray.remote(Sampler)
-        .options(num_cpus=num_cpus, **(resources or {}), runtime_env={"env_vars": SAMPLER_ENV})
-        .remote(model_path, dtype, max_model_len, kv_cache_gb, seed)
+        .options(**(ray_options or {"num_cpus": 1}), runtime_env={"env_vars": SAMPLER_ENV})
+        .remote(model_path, dtype, max_model_len, kv_cache_gb, seed, options)
     )

@@ -8,8 +8,8 @@ bucket before it returns anything, so a corrupt or missing bucket never reaches 
 Transports (`sync.transport`):
 - `object_store`: Ray's object store; readers on the same node get zero-copy numpy views.
 - `shm_file`: one safetensors file per bucket in a shared-memory folder (`sync.shm_dir`).
-- `collective`: a two-member gloo group between trainer rank 0 and the sampler, created on first
-  use; each bucket is one broadcast of its bytes, in order.
+- `collective`: a gloo group of trainer rank 0 and every engine, created on first use and bound to
+  rank 0's node address; each bucket is one broadcast of its bytes, in order.
 - `tpu_sync`: TPU Sync pushes between TPU hosts (`rl_tpu/sync_tpu.py`; not yet run on hardware).
 """
 
@@ -99,7 +99,8 @@ def plan_buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
 class Transport:
     """Sender side of a transport: `put` stages one bucket and returns its handle; `flush` ends a bundle.
 
-    The receiver side is the class method `get(bucket) -> list of byte arrays`, one per spec.
+    The receiver side is the class method `get(bucket, receiver) -> list of byte arrays`, one per
+    spec; `receiver` is the engine's index among the engines that receive every bundle.
     """
 
     name: str
@@ -120,7 +121,7 @@ class ObjectStoreTransport(Transport):
         return [ray.put(buffers)]  # freed by Ray's reference counting once the last bundle is dropped
 
     @staticmethod
-    def get(bucket: Bucket) -> list[np.ndarray]:
+    def get(bucket: Bucket, receiver: int = 0) -> list[np.ndarray]:
         import ray
 
         return ray.get(bucket.handle[0])
@@ -144,7 +145,7 @@ class ShmFileTransport(Transport):
         return str(path)
 
     @staticmethod
-    def get(bucket: Bucket) -> list[np.ndarray]:
+    def get(bucket: Bucket, receiver: int = 0) -> list[np.ndarray]:
         from safetensors.torch import load_file
 
         try:
@@ -165,7 +166,7 @@ class ShmFileTransport(Transport):
 
 
 class CollectiveTransport(Transport):
-    """Broadcasts over a gloo group of two, {trainer rank 0: 0, sampler: 1}, made on the first bundle.
+    """Broadcasts over a gloo group {trainer rank 0: 0, engine i: i + 1}, made on the first bundle.
 
     `put` only queues a bucket and returns; a sender thread broadcasts the queue in order once the
     receiver has joined, so publishing never waits for the sampler. The receiver reads every bucket
@@ -177,22 +178,23 @@ class CollectiveTransport(Transport):
     timeout = timedelta(minutes=5)
     _receiver_groups: dict[tuple[str, int], Any] = {}
 
-    def __init__(self, host: str = "127.0.0.1"):
-        self.host, self.store, self.queue = host, None, queue.Queue()
+    def __init__(self, host: str = "127.0.0.1", receivers: int = 1):
+        # `host`: the sender's node address, which the engines on other nodes connect to
+        self.host, self.size, self.store, self.queue = host, receivers + 1, None, queue.Queue()
 
     def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> dict:
         import torch.distributed as dist
 
         if self.store is None:
-            self.store = dist.TCPStore(self.host, 0, 2, is_master=True, wait_for_workers=False)
+            self.store = dist.TCPStore(self.host, 0, self.size, is_master=True, wait_for_workers=False)
             threading.Thread(target=self._serve, daemon=True, name="weight-broadcast").start()
         self.queue.put(torch.from_numpy(np.concatenate(buffers)))
-        return {"host": self.host, "port": self.store.port}
+        return {"host": self.host, "port": self.store.port, "size": self.size}
 
     def _serve(self) -> None:
         import torch.distributed as dist
 
-        group = dist.ProcessGroupGloo(self.store, 0, 2, self.timeout)  # waits for the receiver to join
+        group = dist.ProcessGroupGloo(self.store, 0, self.size, self.timeout)  # waits for every receiver to join
         while (flat := self.queue.get()) is not None:
             group.broadcast(flat, 0).wait()
 
@@ -200,13 +202,13 @@ class CollectiveTransport(Transport):
         self.queue.put(None)
 
     @classmethod
-    def get(cls, bucket: Bucket) -> list[np.ndarray]:
+    def get(cls, bucket: Bucket, receiver: int = 0) -> list[np.ndarray]:
         import torch.distributed as dist
 
-        key = (bucket.handle["host"], bucket.handle["port"])
+        key, size = (bucket.handle["host"], bucket.handle["port"]), bucket.handle["size"]
         if key not in cls._receiver_groups:
-            store = dist.TCPStore(key[0], key[1], 2, is_master=False, timeout=cls.timeout)
-            cls._receiver_groups[key] = dist.ProcessGroupGloo(store, 1, 2, cls.timeout)
+            store = dist.TCPStore(key[0], key[1], size, is_master=False, timeout=cls.timeout)
+            cls._receiver_groups[key] = dist.ProcessGroupGloo(store, receiver + 1, size, cls.timeout)
         sizes = [spec.num_bytes for spec in bucket.specs]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         cls._receiver_groups[key].broadcast(flat, 0).wait()
@@ -228,9 +230,13 @@ def transport_class(name: str) -> type[Transport]:
     return CPU_TRANSPORTS[name]
 
 
-def make_transport(name: str, shm_dir: str = "/dev/shm/rl_tpu") -> Transport:
+def make_transport(name: str, shm_dir: str = "/dev/shm/rl_tpu", host: str = "127.0.0.1",
+                   receivers: int = 1) -> Transport:
+    """The sender side; `host` is the sender's node address, `receivers` the number of engines."""
     cls = transport_class(name)
-    return cls(shm_dir) if cls is ShmFileTransport else cls()
+    if cls is ShmFileTransport:
+        return cls(shm_dir)
+    return cls(host, receivers) if cls is CollectiveTransport else cls()
 
 
 def pack(state_dict: dict[str, torch.Tensor], version: int, transport: Transport | None = None,
@@ -292,11 +298,13 @@ def check_names(bundle: WeightBundle, engine_params: set[str]) -> None:
                               "nothing was installed")
 
 
-def unpack(bundle: WeightBundle) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
-    """Sampler side: fetch and verify every bucket, then rebuild named tensors. Raises on any mismatch."""
+def unpack(bundle: WeightBundle, receiver: int = 0) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
+    """Sampler side (engine `receiver`): fetch and verify every bucket, then rebuild named tensors.
+
+    Raises on any mismatch."""
     get = transport_class(bundle.transport).get
     start = time.perf_counter()
-    fetched = [(bucket, get(bucket)) for bucket in bundle.buckets]
+    fetched = [(bucket, get(bucket, receiver)) for bucket in bundle.buckets]
     got = time.perf_counter()
     for index, (bucket, buffers) in enumerate(fetched):
         if len(buffers) != len(bucket.specs) or checksum(bucket.specs, buffers) != bucket.checksum:

@@ -82,7 +82,7 @@ def default_factory() -> SynchronizerFactory:
     try:
         from tpu_sync.api.torch.weight_synchronizer import WeightSynchronizer
     except ImportError as err:
-        raise RuntimeError("sync.transport=tpu_sync needs TPU Sync's PyTorch package (tpu-raiden-torch, built for "
+        raise RuntimeError("sync.transport=tpu_sync needs TPU Sync's PyTorch package (tpu-sync-torch, built for "
                            "the installed torch_tpu) on a TPU host; on CPU or GPU use object_store or collective"
                            ) from err
     return WeightSynchronizer
@@ -110,7 +110,7 @@ class TpuSyncTransport(Transport):
             raise WeightSyncError(f"bucket {index} does not match the tpu_sync slot plan made at start-up "
                                   "(weights changed name, shape or dtype?)")
         self.plan.write(index, buffers, self.slots[index][0])
-        return {"endpoint": self.peers[0], "slot": index}
+        return {"endpoints": self.peers, "slot": index}
 
     def flush(self) -> None:
         """Push every slot to every peer (after all buckets of a bundle were put)."""
@@ -123,10 +123,11 @@ class TpuSyncTransport(Transport):
         self.synchronizer = None
 
     @classmethod
-    def get(cls, bucket: Bucket) -> list[np.ndarray]:
-        receiver = cls._receivers.get(bucket.handle["endpoint"])
+    def get(cls, bucket: Bucket, receiver_index: int = 0) -> list[np.ndarray]:
+        endpoint = bucket.handle["endpoints"][receiver_index]
+        receiver = cls._receivers.get(endpoint)
         if receiver is None:
-            raise WeightSyncError(f"no tpu_sync receiver at {bucket.handle['endpoint']} in this process")
+            raise WeightSyncError(f"no tpu_sync receiver at {endpoint} in this process")
         if bucket.handle["slot"] == 0:  # the first bucket of a bundle: take in the whole push
             receiver.ingest()
         return receiver.plan.read(bucket.handle["slot"], receiver.host_slots[bucket.handle["slot"]])

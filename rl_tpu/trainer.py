@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 
-from rl_tpu import algorithms, sync
+from rl_tpu import algorithms, placement, sync
+from rl_tpu.actor_logs import send_output_to_file
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.device import Device
 from rl_tpu.metrics import peak_rss_mb
@@ -73,7 +74,14 @@ def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
 class TrainerWorker:
     """One FSDP2 rank. Ray runs one per rank; every public method is collective across ranks."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(self, cfg: RunConfig, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                 log_dir: str | None = None):
+        """`master_addr:master_port` is on rank 0's node; `cfg.device` is resolved on this actor's own node."""
+        self.name = f"trainer_{rank}"
+        send_output_to_file(log_dir, self.name)
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"{self.name}: no model folder at {model_path} on this node; every node needs the "
+                                    "model at the same path (shared storage or a copy)")
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         torch.set_num_threads(cfg.trainer.threads_per_rank)
@@ -89,7 +97,9 @@ class TrainerWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / algo.warmup_steps) if algo.warmup_steps else 1.0)
         self.pad_id = self._pad_id()
-        self.transport = sync.make_transport(value_of(cfg.sync.transport), cfg.sync.shm_dir)
+        # the collective sender (rank 0) listens on its own node's address, where the engines connect
+        self.transport = sync.make_transport(value_of(cfg.sync.transport), cfg.sync.shm_dir, host=master_addr,
+                                             receivers=cfg.sampler.num_engines)
 
     def _load_model(self, mesh) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -190,8 +200,8 @@ class TrainerWorker:
             return None
         return sync.pack(state, version, self.transport, self.cfg.sync.bucket_mb)
 
-    def connect_tpu_sync(self, sampler) -> str | None:
-        """`sync.transport=tpu_sync` handshake: rank 0 plans the slots, the sampler listens, rank 0 connects."""
+    def connect_tpu_sync(self, samplers: list) -> list[str] | None:
+        """`sync.transport=tpu_sync` handshake: rank 0 plans the slots, every engine listens, rank 0 connects."""
         from rl_tpu.sync_tpu import SlotPlan
 
         state = self.served_state_dict()  # every rank takes part in the gather
@@ -200,9 +210,10 @@ class TrainerWorker:
         import ray
 
         plan = SlotPlan.of(state, int(self.cfg.sync.bucket_mb * 2**20))
-        endpoint = ray.get(sampler.open_tpu_sync.remote(plan))
-        self.transport.connect(plan, [endpoint], self.device.torch_device)
-        return endpoint
+        endpoints = ray.get([sampler.open_tpu_sync.remote(plan) for sampler in samplers],
+                            timeout=self.cfg.ray.start_timeout_s)
+        self.transport.connect(plan, endpoints, self.device.torch_device)
+        return endpoints
 
     def export(self, folder: str) -> str | None:
         """Write a Hugging Face folder (config, tokenizer, safetensors) atomically; rank 0 writes."""
@@ -246,6 +257,17 @@ class TrainerWorker:
         dcp.load(state, checkpoint_id=folder)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def where(self) -> dict:
+        return {**placement.where_am_i(), "actor": self.name, "device": str(self.device.torch_device)}
+
+    def touch(self, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.name)
+
+    def sees(self, path: str) -> bool:
+        """Whether this rank's node sees `path` (a marker another rank wrote: shared storage)."""
+        return Path(path).exists()
 
     def shutdown(self) -> None:
         self.transport.close()

@@ -98,7 +98,7 @@ def test_push_delivers_bit_identical_weights_and_new_versions():
     for version, weights in [(1, state), (2, model_state(1))]:
         bundle = sync.pack(weights, version, sender, BUCKET_MB)
         assert bundle.transport == "tpu_sync" and len(bundle.buckets) == len(plan.buckets)
-        assert all(b.handle["endpoint"] == endpoint for b in bundle.buckets)
+        assert all(b.handle["endpoints"] == [endpoint] for b in bundle.buckets)
         tensors, _ = sync.unpack(bundle)
         received = dict(tensors)
         assert received.keys() == weights.keys()
@@ -132,7 +132,7 @@ def test_transport_is_selectable_and_the_library_is_imported_lazily():
     try:
         import tpu_sync  # noqa: F401
     except ImportError:
-        with pytest.raises(RuntimeError, match="needs TPU Sync's PyTorch package .tpu-raiden-torch"):
+        with pytest.raises(RuntimeError, match="needs TPU Sync's PyTorch package .tpu-sync-torch"):
             default_factory()
     else:
         pytest.skip("TPU Sync is installed here: the missing-library message cannot be shown")

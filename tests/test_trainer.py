@@ -7,8 +7,8 @@ import torch
 
 from rl_tpu import algorithms
 from rl_tpu.config import RunConfig
-from rl_tpu.controller import free_port
 from rl_tpu.trainer import TrainerWorker, micro_batches, pad_batch, token_logprobs
+from conftest import free_port
 from test_algorithms import make_batch
 
 

@@ -1,0 +1,70 @@
+"""Seconds per GRPO step on DESIGN.md's reference workload by placement: 1 vs 2 engines, colocated vs disaggregated.
+
+The workload and the measurement are `grpo_step.py`'s (the full synchronous loop through the
+real actors, median of `--steps` after `--warmup`), with one trainer thread. The variants,
+all in one invocation so that the ratios compare like with like:
+
+- `disaggregated, 1 engine`: the baseline (trainer and engine each hold a CPU of their own in Ray's accounting);
+- `disaggregated, 2 engines`: each engine generates half of every batch and installs every version;
+- `colocated, 1 engine`: trainer and engine share one bundle (one CPU).
+
+On CPU a layout changes Ray's accounting, not which cores the processes run on (no affinity
+is set), so colocated and disaggregated should differ by noise only; two engines split the
+generation of a batch between two processes on this machine's two cores.
+
+    python benchmarks/placement.py      # about 4 minutes; writes benchmarks/results/placement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_step import REPO, build_workload, measure, reference_config  # noqa: E402
+
+from rl_tpu import controller  # noqa: E402
+
+VARIANTS = [("disaggregated", 1), ("disaggregated", 2), ("colocated", 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "placement.json")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, data = build_workload(Path(tmp))
+        for layout, engines in VARIANTS:
+            cfg = reference_config(model, data, threads=1)
+            cfg.placement, cfg.sampler.num_engines = layout, engines
+            controller.start_ray(cfg)
+            runs.append({**measure(cfg, model, args.steps, args.warmup), "load_average": os.getloadavg()})
+    base = runs[0]
+    for run in runs:
+        run["step_s_vs_baseline"] = run["step_s"] / base["step_s"]
+        run["generate_s_vs_baseline"] = run["generate_s"] / base["generate_s"]
+        print(f"{run['layout']}, {run['engines']} engine(s): {run['step_s']:.3f} s/step "
+              f"({run['step_s_vs_baseline']:.2f} x baseline; generate {run['generate_s']:.3f} s, "
+              f"{run['generate_s_vs_baseline']:.2f} x; train {run['train_s']:.3f}, sync {run['sync_s']:.3f}); "
+              f"{run['gen_tokens_per_s']:,.0f} generated tokens/s; sampler peak RSS {run['sampler_peak_rss_mb']:.0f} MiB; "
+              f"load average {run['load_average'][0]:.2f}")
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "steps": args.steps, "warmup": args.warmup, "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"load average {load_before[0]:.2f} -> {record['load_average_after'][0]:.2f}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The actors of a run: placed, started, checked, and called with deadlines.
+
+`start_workers` plans and reserves the placement (rl_tpu/placement.py), starts the trainer
+ranks (rendezvous at rank 0's node) and the engines in their bundles, and checks what a run on
+several hosts needs before the first step: transports that can reach, a run folder that every
+rank sees. `Workers` is what the controller's loop calls; every call waits with a deadline
+and names the actor that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from rl_tpu import placement
+from rl_tpu.config import RunConfig, value_of
+from rl_tpu.rollout import TrainBatch
+from rl_tpu.sampler import EngineOptions, launch_sampler
+from rl_tpu.sampler_pool import SamplerPool
+from rl_tpu.sync import WeightBundle
+from rl_tpu.trainer import TrainerWorker
+from rl_tpu.waiting import ActorError, gather
+
+log = logging.getLogger(__name__)
+
+# vLLM's share of an accelerator's memory when sampler.gpu_memory_utilization is unset
+GPU_MEMORY_OWN_DEVICE, GPU_MEMORY_COLOCATED = 0.85, 0.4
+
+
+@dataclass
+class Workers:
+    trainers: list  # Ray actor handles of TrainerWorker, rank order
+    samplers: SamplerPool
+    reservation: placement.Reservation
+    cfg: RunConfig
+    log_dir: str
+
+    def on_trainers(self, method: str, what: str, *args, timeout_s: float | None = None) -> list:
+        """The same call on every rank (they are collective), waited for together."""
+        calls = [(f"trainer_{rank}", getattr(t, method).remote(*args)) for rank, t in enumerate(self.trainers)]
+        return gather(calls, what, timeout_s or self.cfg.ray.call_timeout_s, self.log_dir)
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One update on every rank; rank 0's metrics (they are reduced over ranks)."""
+        return self.on_trainers("train_step", "train step", ray.put(batch))[0]
+
+    def publish(self, version: int) -> WeightBundle:
+        return self.on_trainers("publish_weights", f"publishing weights v{version}", version)[0]
+
+    def install(self, bundle: WeightBundle) -> dict[str, float]:
+        """Every engine installs the bundle (woken first if it slept while the trainer trained)."""
+        timeout = self.cfg.ray.call_timeout_s
+        if self.reservation.plan.engines_sleep:
+            self.samplers.call("wake_up", "waking the engines", timeout)
+        return self.samplers.install(bundle, timeout)
+
+    def release_devices(self) -> None:
+        """Colocated on CUDA: the engines hand the GPU to the trainer until the next install."""
+        if self.reservation.plan.engines_sleep:
+            self.samplers.call("sleep", "putting the engines to sleep", self.cfg.ray.call_timeout_s)
+
+    def locations(self) -> list[dict]:
+        calls = [(f"trainer_{rank}", t.where.remote()) for rank, t in enumerate(self.trainers)]
+        calls += [(name, engine.where.remote()) for name, engine in zip(self.samplers.names, self.samplers.engines)]
+        return gather(calls, "reporting locations", self.cfg.ray.start_timeout_s, self.log_dir)
+
+    def shutdown(self) -> None:
+        for name, handle in [*zip(self.samplers.names, self.samplers.engines),
+                             *((f"trainer_{r}", t) for r, t in enumerate(self.trainers))]:
+            try:
+                ray.get(handle.shutdown.remote(), timeout=60)
+            except Exception as err:  # a dead actor has nothing left to release
+                log.warning("shutdown of %s failed: %s", name, err)
+        self.reservation.release()  # also ends the actors placed in it
+
+
+def start_workers(cfg: RunConfig, model_path: Path, run_dir: Path, kind: str,
+                  plan: placement.Plan | None = None) -> Workers:
+    """Place and start the trainer ranks and engines on device `kind`; the run folder gets placement.json."""
+    plan = plan or placement.make_plan(cfg, kind, ray.cluster_resources())
+    log.info("placement: %s; %s", plan.summary(), plan.why)
+    reservation = placement.reserve(plan, cfg.ray.placement_timeout_s)
+    log_dir = str(run_dir / "logs")
+    workers = Workers([], SamplerPool([], log_dir), reservation, cfg, log_dir)
+    try:
+        check_transport_reach(cfg, reservation)
+        actor_cfg = dataclasses.replace(cfg, device=kind)  # resolved again on each actor's node
+        _start_trainers(workers, actor_cfg, model_path, log_dir)
+        _start_engines(workers, actor_cfg, model_path, log_dir)
+        # start-up errors (a bad model folder, a missing device) surface here, named, not at the first step
+        gather([(f"trainer_{r}", t.__ray_ready__.remote()) for r, t in enumerate(workers.trainers)]
+               + [(n, e.serving_version.remote()) for n, e in zip(workers.samplers.names, workers.samplers.engines)],
+               "starting the actors", cfg.ray.start_timeout_s, log_dir)
+        if value_of(cfg.sync.transport) == "tpu_sync":
+            workers.on_trainers("connect_tpu_sync", "tpu_sync handshake", workers.samplers.engines,
+                                timeout_s=cfg.ray.start_timeout_s)
+        check_shared_run_dir(workers, run_dir)
+        write_placement(workers, run_dir)
+    except BaseException:
+        workers.shutdown()
+        raise
+    return workers
+
+
+def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str) -> None:
+    reservation = workers.reservation
+    master_addr, master_port = placement.free_address_on(reservation.trainer_node(0), cfg.ray.start_timeout_s)
+    threads = str(cfg.trainer.threads_per_rank)
+    trainer_cls = ray.remote(TrainerWorker)
+    for rank in range(cfg.trainer.world_size):
+        options = reservation.trainer_options(rank)
+        workers.trainers.append(
+            trainer_cls.options(**options, runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})
+            .remote(cfg, str(model_path), rank, cfg.trainer.world_size, master_addr, master_port, log_dir))
+
+
+def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str) -> None:
+    plan, s = workers.reservation.plan, cfg.sampler
+    memory = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if plan.layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
+    max_len = cfg.data.max_prompt_length + s.response_length
+    for engine in range(plan.num_engines):
+        options = EngineOptions(engine, log_dir, plan.engines_sleep, memory)
+        workers.samplers.engines.append(
+            launch_sampler(str(model_path), value_of(cfg.model.dtype), max_len, s.kv_cache_gb, s.seed + engine,
+                           options, workers.reservation.sampler_options(engine)))
+
+
+def check_transport_reach(cfg: RunConfig, reservation: placement.Reservation) -> None:
+    """`shm_file` passes files through one node's shared memory: rank 0 and every engine must share that node."""
+    if value_of(cfg.sync.transport) != "shm_file":
+        return
+    home = reservation.trainer_node(0)
+    away = [e for e in range(reservation.plan.num_engines) if reservation.sampler_node(e) != home]
+    if away:
+        raise placement.PlacementError(
+            f"sync.transport=shm_file passes weights as files in {cfg.sync.shm_dir} on one node, but engine(s) "
+            f"{away} were placed on another node than trainer rank 0: use sync.transport=object_store or collective "
+            "across nodes")
+
+
+def check_shared_run_dir(workers: Workers, run_dir: Path) -> None:
+    """Checkpoints, the export and actor logs go to the run folder: a marker rank 0 writes must be seen by all."""
+    marker = run_dir / f".shared-check-{uuid.uuid4().hex[:8]}"
+    gather([("trainer_0", workers.trainers[0].touch.remote(str(marker)))], "writing the shared-storage marker", 60,
+           workers.log_dir)
+    try:
+        seen = workers.on_trainers("sees", "checking the shared-storage marker", str(marker), timeout_s=60)
+        blind = [f"trainer_{rank}" for rank, ok in enumerate(seen) if not ok] + ([] if marker.exists() else ["the driver"])
+    finally:
+        marker.unlink(missing_ok=True)
+    if blind:
+        raise ActorError(f"the run folder {run_dir} is not shared storage: a file trainer_0 wrote there is not visible "
+                         f"to {', '.join(blind)}. Checkpoints, the export and actor logs are written there by several "
+                         "processes; on several hosts put it on storage every node mounts at the same path "
+                         "(hydra.run.dir=/shared/...)")
+
+
+def write_placement(workers: Workers, run_dir: Path) -> None:
+    """placement.json: the plan and where each actor runs, as the actors themselves report it."""
+    plan = workers.reservation.plan
+    record = {"layout": plan.layout, "why": plan.why, "plan": dataclasses.asdict(plan),
+              "actors": workers.locations()}
+    (run_dir / "placement.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    for actor in record["actors"]:
+        log.info("%s on node %s (%s), pid %s", actor["actor"], actor["node_id"][:12], actor["node_ip"], actor["pid"])
