@@ -4,7 +4,8 @@ The workload and the measurement are `grpo_step.py`'s (the full synchronous loop
 real actors, median of `--steps` after `--warmup`), with one trainer thread. The variants,
 all in one invocation so that the ratios compare like with like:
 
-- `disaggregated, 1 engine`: the baseline (trainer and engine each hold a CPU of their own in Ray's accounting);
+- `disaggregated, 1 engine`: the baseline (trainer and engine each hold a CPU of their own in Ray's
+  accounting), measured first and last; ratios are to the mean of the two;
 - `disaggregated, 2 engines`: each engine generates half of every batch and installs every version;
 - `colocated, 1 engine`: trainer and engine share one bundle (one CPU).
 
@@ -12,7 +13,7 @@ On CPU a layout changes Ray's accounting, not which cores the processes run on (
 is set), so colocated and disaggregated should differ by noise only; two engines split the
 generation of a batch between two processes on this machine's two cores.
 
-    python benchmarks/placement.py      # about 4 minutes; writes benchmarks/results/placement.json
+    python benchmarks/placement.py      # about 5 minutes; writes benchmarks/results/placement.json
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from grpo_step import REPO, build_workload, measure, reference_config  # noqa: E
 
 from rl_tpu import controller  # noqa: E402
 
-VARIANTS = [("disaggregated", 1), ("disaggregated", 2), ("colocated", 1)]
+# the baseline runs first and last, so that a drift in the machine's load shows in its two figures
+VARIANTS = [("disaggregated", 1), ("disaggregated", 2), ("colocated", 1), ("disaggregated", 1)]
 
 
 def main() -> None:
@@ -49,10 +51,12 @@ def main() -> None:
             cfg.placement, cfg.sampler.num_engines = layout, engines
             controller.start_ray(cfg)
             runs.append({**measure(cfg, model, args.steps, args.warmup), "load_average": os.getloadavg()})
-    base = runs[0]
+    baselines = [r for r in runs if (r["layout"], r["engines"]) == VARIANTS[0]]
+    base_step = sum(r["step_s"] for r in baselines) / len(baselines)
+    base_generate = sum(r["generate_s"] for r in baselines) / len(baselines)
     for run in runs:
-        run["step_s_vs_baseline"] = run["step_s"] / base["step_s"]
-        run["generate_s_vs_baseline"] = run["generate_s"] / base["generate_s"]
+        run["step_s_vs_baseline"] = run["step_s"] / base_step
+        run["generate_s_vs_baseline"] = run["generate_s"] / base_generate
         print(f"{run['layout']}, {run['engines']} engine(s): {run['step_s']:.3f} s/step "
               f"({run['step_s_vs_baseline']:.2f} x baseline; generate {run['generate_s']:.3f} s, "
               f"{run['generate_s_vs_baseline']:.2f} x; train {run['train_s']:.3f}, sync {run['sync_s']:.3f}); "

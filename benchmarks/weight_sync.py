@@ -7,6 +7,13 @@ receiver, which ends holding the tensors. The floor is `copy_` of the same tenso
 preallocated buffers in one process. Engine install (`reload_weights`) is not included: it is
 the same for every transport. Timings are medians of `--repeats` after one warm-up.
 
+`rdt_gloo` evaluates Ray Direct Transport (`@ray.method(tensor_transport="gloo")`, Ray 2.60)
+on the same buckets: the sender returns each bucket's tensors out of band with the same
+checksums, and the receiver (an actor with `enable_tensor_transport=True`; without it the
+receiving call blocks the thread that would run the transfer, and Ray gives up after 60 s)
+verifies every checksum. It is measured here only: see benchmarks/README.md for why the
+project keeps its own transports.
+
     python benchmarks/weight_sync.py            # writes benchmarks/results/weight_sync.json
 """
 
@@ -82,6 +89,51 @@ class Receiver:
         return time.perf_counter() - start
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+@ray.remote(num_cpus=1)
+class RdtSender:
+    def __init__(self, overrides: dict, dtype: str):
+        self.state = make_state_dict(overrides, getattr(torch, dtype))
+
+    @ray.method(tensor_transport="gloo")
+    def send(self, bucket_mb: float) -> list:
+        """The bundle's buckets as (specs, checksum, byte tensors); the tensors travel over gloo."""
+        buckets = []
+        for names in sync.plan_buckets({n: t.nbytes for n, t in self.state.items()}, int(bucket_mb * 2**20)):
+            specs = tuple(sync.spec_of(n, self.state[n]) for n in names)
+            tensors = [as_bytes(self.state[n]) for n in names]
+            buckets.append((specs, sync.checksum(specs, [t.numpy() for t in tensors]), tensors))
+        return buckets
+
+
+@ray.remote(num_cpus=1, enable_tensor_transport=True)
+class RdtReceiver:
+    def receive(self, buckets: list) -> int:
+        for specs, expected, tensors in buckets:
+            assert sync.checksum(specs, [t.numpy() for t in tensors]) == expected, "checksum mismatch"
+        return len(buckets)
+
+
+def measure_rdt(model: str, repeats: int, bucket_mb: float) -> float:
+    from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+    overrides, dtype = MODELS[model]
+    sender, receiver = RdtSender.remote(overrides, str(dtype).removeprefix("torch.")), RdtReceiver.remote()
+    group = create_collective_group([sender, receiver], backend="gloo")
+    totals = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        ray.get(receiver.receive.remote(sender.send.remote(bucket_mb)), timeout=600)
+        totals.append(time.perf_counter() - start)
+    destroy_collective_group(group)
+    ray.kill(sender)
+    ray.kill(receiver)
+    return statistics.median(totals[1:])
+
+
 def measure(model: str, transports: list[str], repeats: int, bucket_mb: float, shm_dir: str) -> dict:
     overrides, dtype = MODELS[model]
     sender, receiver = Sender.remote(overrides, str(dtype).removeprefix("torch.")), Receiver.remote()
@@ -89,7 +141,7 @@ def measure(model: str, transports: list[str], repeats: int, bucket_mb: float, s
     floors = [ray.get(sender.copy_floor.remote()) for _ in range(repeats + 1)][1:]
     result = {"bytes": num_bytes, "dtype": str(dtype).removeprefix("torch."),
               "floor": {"seconds": statistics.median(floors), "mb_per_s": num_bytes / 2**20 / statistics.median(floors)}}
-    for transport in transports:
+    for transport in (t for t in transports if t in sync.CPU_TRANSPORTS):
         totals = []
         for version in range(1, repeats + 2):
             start = time.perf_counter()
@@ -102,13 +154,18 @@ def measure(model: str, transports: list[str], repeats: int, bucket_mb: float, s
                              "ratio_to_floor": result["floor"]["seconds"] / seconds}
     ray.kill(sender)
     ray.kill(receiver)
+    if "rdt_gloo" in transports:
+        seconds = measure_rdt(model, repeats, bucket_mb)
+        result["rdt_gloo"] = {"seconds": seconds, "mb_per_s": num_bytes / 2**20 / seconds,
+                              "ratio_to_floor": result["floor"]["seconds"] / seconds}
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--transports", nargs="+", default=list(sync.CPU_TRANSPORTS), choices=list(sync.CPU_TRANSPORTS))
+    choices = [*sync.CPU_TRANSPORTS, "rdt_gloo"]
+    parser.add_argument("--transports", nargs="+", default=choices, choices=choices)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=512.0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "weight_sync.json"))

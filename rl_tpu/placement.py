@@ -318,3 +318,32 @@ def where_am_i() -> dict[str, str | int]:
     context = ray.get_runtime_context()
     return {"node_id": context.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
             "resources": context.get_assigned_resources()}
+
+
+def bind_gloo_to_node_ip() -> None:
+    """Inside an actor: make gloo's sockets use the network interface of this node's IP.
+
+    Gloo otherwise binds to what the host name resolves to, often 127.0.0.1 in containers, and
+    trainer ranks on different hosts never connect. A `GLOO_SOCKET_IFNAME` the user set wins.
+    """
+    import os
+
+    import psutil
+    import ray
+
+    if "GLOO_SOCKET_IFNAME" in os.environ or not ray.is_initialized():  # not in a Ray worker: one host
+        return
+    ip = ray.util.get_node_ip_address()
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(address.address == ip for address in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+            return
+
+
+def require_model_on_node(actor: str, model_path: str) -> None:
+    """Inside an actor: stop, naming the actor, when its node has no model folder at `model_path`."""
+    from pathlib import Path
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"{actor}: no model folder at {model_path} on this node; every node needs the model "
+                                "at the same path (shared storage or a copy)")

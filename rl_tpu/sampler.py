@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from rl_tpu.actor_logs import send_output_to_file
 from rl_tpu.metrics import peak_rss_mb
-from rl_tpu.placement import where_am_i
+from rl_tpu.placement import require_model_on_node, where_am_i
 from rl_tpu.rollout import Rollout
 from rl_tpu.sync import WeightBundle, WeightSyncError, check_names, unpack
 
@@ -57,6 +57,7 @@ class Sampler:
                  options: EngineOptions = EngineOptions()):
         self.name = f"sampler_{options.index}"
         send_output_to_file(options.log_dir, self.name)
+        require_model_on_node(self.name, model_path)
         for key, value in SAMPLER_ENV.items():
             os.environ.setdefault(key, value)
         from vllm import LLM

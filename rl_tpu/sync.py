@@ -192,9 +192,7 @@ class CollectiveTransport(Transport):
         return {"host": self.host, "port": self.store.port, "size": self.size}
 
     def _serve(self) -> None:
-        import torch.distributed as dist
-
-        group = dist.ProcessGroupGloo(self.store, 0, self.size, self.timeout)  # waits for every receiver to join
+        group = gloo_group(self.store, 0, self.size, self.host, self.timeout)  # waits for every receiver to join
         while (flat := self.queue.get()) is not None:
             group.broadcast(flat, 0).wait()
 
@@ -204,15 +202,30 @@ class CollectiveTransport(Transport):
     @classmethod
     def get(cls, bucket: Bucket, receiver: int = 0) -> list[np.ndarray]:
         import torch.distributed as dist
+        from ray.util import get_node_ip_address
 
         key, size = (bucket.handle["host"], bucket.handle["port"]), bucket.handle["size"]
         if key not in cls._receiver_groups:
             store = dist.TCPStore(key[0], key[1], size, is_master=False, timeout=cls.timeout)
-            cls._receiver_groups[key] = dist.ProcessGroupGloo(store, receiver + 1, size, cls.timeout)
+            cls._receiver_groups[key] = gloo_group(store, receiver + 1, size, get_node_ip_address(), cls.timeout)
         sizes = [spec.num_bytes for spec in bucket.specs]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         cls._receiver_groups[key].broadcast(flat, 0).wait()
         return list(np.split(flat.numpy(), np.cumsum(sizes)[:-1]))
+
+
+def gloo_group(store, rank: int, size: int, address: str, timeout: timedelta):
+    """A gloo group whose sockets bind to `address`, this node's IP.
+
+    Gloo's default device binds to whatever the host name resolves to, which is often 127.0.0.1
+    (`/etc/hosts` in containers): peers on other hosts could then never connect.
+    """
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 CPU_TRANSPORTS = {"object_store": ObjectStoreTransport, "shm_file": ShmFileTransport,

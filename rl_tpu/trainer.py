@@ -79,14 +79,14 @@ class TrainerWorker:
         """`master_addr:master_port` is on rank 0's node; `cfg.device` is resolved on this actor's own node."""
         self.name = f"trainer_{rank}"
         send_output_to_file(log_dir, self.name)
-        if not (Path(model_path) / "config.json").is_file():
-            raise FileNotFoundError(f"{self.name}: no model folder at {model_path} on this node; every node needs the "
-                                    "model at the same path (shared storage or a copy)")
+        placement.require_model_on_node(self.name, model_path)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         torch.set_num_threads(cfg.trainer.threads_per_rank)
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         self.device = Device.resolve(cfg.device)
+        if self.device.dist_backend == "gloo":
+            placement.bind_gloo_to_node_ip()
         dist.init_process_group(self.device.dist_backend, rank=rank, world_size=world_size)
         mesh = init_device_mesh(self.device.kind, (world_size,))
         self.model = self._load_model(mesh)
