@@ -142,6 +142,8 @@ class TrainerConfig:
     world_size: int = 1  # FSDP2 ranks (Ray actors)
     micro_batch_size: int = 64  # sequences per forward/backward on each rank
     activation_checkpointing: bool = False
+    # completion positions whose fp32 log-softmax is computed (and recomputed in backward) at once
+    logprob_chunk_size: int = 256
     compile: bool = False
     threads_per_rank: int = 1
     # place trainer ranks only on Ray nodes with these labels (`ray start --labels=role=trainer`); {}: anywhere

@@ -42,8 +42,9 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 <= cfg.reward.max_failure_rate <= 1.0 or cfg.reward.timeout_s <= 0:
         raise ValueError(f"reward.max_failure_rate={cfg.reward.max_failure_rate} must be in [0, 1] and "
                          f"reward.timeout_s={cfg.reward.timeout_s} > 0")
-    if cfg.trainer.world_size < 1:
-        raise ValueError(f"trainer.world_size={cfg.trainer.world_size} must be at least 1")
+    if cfg.trainer.world_size < 1 or cfg.trainer.logprob_chunk_size < 1:
+        raise ValueError(f"trainer.world_size={cfg.trainer.world_size} and trainer.logprob_chunk_size="
+                         f"{cfg.trainer.logprob_chunk_size} must be at least 1")
     per_step = cfg.data.train_batch_size * cfg.sampler.n
     if per_step % cfg.trainer.world_size:
         raise ValueError(f"data.train_batch_size * sampler.n = {per_step} sequences must divide evenly over "

@@ -82,6 +82,9 @@ class Sampler:
         self.version = 0
         # what the engine holds (fused names included): every install must fill all of it
         self.engine_params = set(self.llm.collective_rpc(engine_parameter_names)[0])
+        if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
+            # vLLM's CPU backend repacks the head into storage of its own: a new embedding alone would leave it stale
+            self.engine_params.add("lm_head.weight")
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Rollout]:
         """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index."""

@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import blake3
 import numpy as np
@@ -255,11 +255,18 @@ def make_transport(name: str, shm_dir: str = "/dev/shm/rl_tpu", host: str = "127
 def pack(state_dict: dict[str, torch.Tensor], version: int, transport: Transport | None = None,
          bucket_mb: float = 512) -> WeightBundle:
     """Trainer side: stage full CPU tensors as checksummed buckets through `transport`."""
+    sizes = {name: tensor.nbytes for name, tensor in state_dict.items()}
+    groups = ({n: state_dict[n] for n in names} for names in plan_buckets(sizes, int(bucket_mb * 2**20)))
+    return pack_buckets(groups, version, transport)
+
+
+def pack_buckets(groups: Iterable[dict[str, torch.Tensor]], version: int,
+                 transport: Transport | None = None) -> WeightBundle:
+    """Stage buckets as they come (a sharded trainer gathers one at a time); each is checksummed and put."""
     transport = transport or ObjectStoreTransport()
     buckets = []
-    sizes = {name: tensor.nbytes for name, tensor in state_dict.items()}
-    for index, names in enumerate(plan_buckets(sizes, int(bucket_mb * 2**20))):
-        named = {n: state_dict[n].detach().cpu() for n in names}
+    for index, group in enumerate(groups):
+        named = {n: t.detach().cpu() for n, t in group.items()}
         specs = tuple(spec_of(n, t) for n, t in named.items())
         buffers = [_as_bytes(t) for t in named.values()]
         buckets.append(Bucket(specs, checksum(specs, buffers), transport.put(version, index, named, buffers)))
@@ -268,7 +275,8 @@ def pack(state_dict: dict[str, torch.Tensor], version: int, transport: Transport
     return WeightBundle(version, transport.name, tuple(buckets), num_bytes)
 
 
-# Names a tied model may send or omit: the head shares the embedding's storage.
+# A tied head shares the embedding's storage in the trainer, so an engine may not list it among its
+# parameters; a bundle may carry it anyway. (The sampler requires it when its engine keeps a copy.)
 TIED_NAMES = {"lm_head.weight"}
 
 # Weights an engine stores fused, {engine weight: the Hugging Face weights it concatenates, in order}:
@@ -301,7 +309,7 @@ def check_names(bundle: WeightBundle, engine_params: set[str]) -> None:
         target, parts = engine_name(name, engine_params)
         filled.setdefault(target, set()).add(name)
         needed[target] = parts
-    missing = sorted(engine_params - filled.keys() - TIED_NAMES)
+    missing = sorted(engine_params - filled.keys())
     unexpected = sorted(filled.keys() - engine_params - TIED_NAMES)
     partial = sorted(f"{target} ({len(names)} of {needed[target]})" for target, names in filled.items()
                      if target in engine_params and len(names) != needed[target])

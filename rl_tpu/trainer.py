@@ -12,59 +12,36 @@ import os
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from rl_tpu import algorithms, placement, sync
 from rl_tpu.actor_logs import send_output_to_file
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.device import Device
+from rl_tpu.logprobs import pad_batch, token_logprobs
 from rl_tpu.metrics import peak_rss_mb
 from rl_tpu.parallelize import parallelize
 from rl_tpu.rollout import TrainBatch
 
 
-def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion ids, and (bs, response_len) tensors in verl's layout."""
-    seqs = [p + c for p, c in zip(batch.prompt_ids, batch.completion_ids)]
-    seq_len, resp_len = max(map(len, seqs)), max(1, max(map(len, batch.completion_ids)))
-    input_ids = torch.full((len(seqs), seq_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    # logits at position t predict token t+1: completion token j of row i is predicted at p_i - 1 + j
-    predict_at = torch.zeros((len(seqs), resp_len), dtype=torch.long)
-    response_mask = torch.zeros((len(seqs), resp_len))
-    sampler_logprobs = torch.zeros((len(seqs), resp_len))
-    targets = torch.full((len(seqs), resp_len), pad_id, dtype=torch.long)
-    for i, (prompt, completion) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
-        n_p, n_c = len(prompt), len(completion)
-        input_ids[i, : n_p + n_c] = torch.tensor(prompt + completion)
-        attention_mask[i, : n_p + n_c] = 1
-        predict_at[i] = torch.arange(n_p - 1, n_p - 1 + resp_len).clamp(max=seq_len - 1)
-        response_mask[i, :n_c] = 1
-        targets[i, :n_c] = torch.tensor(completion)
-        sampler_logprobs[i, :n_c] = torch.tensor(batch.sampler_logprobs[i])
-    advantages = torch.tensor(batch.advantages, dtype=torch.float32)[:, None] * response_mask
-    tensors = dict(input_ids=input_ids, attention_mask=attention_mask, predict_at=predict_at, targets=targets,
-                   response_mask=response_mask, sampler_logprobs=sampler_logprobs, advantages=advantages)
-    return {k: v.to(device) for k, v in tensors.items()}
+# module wrappers that activation checkpointing and compilation put into parameter names
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def token_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float,
-                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities (and entropy) of the completion tokens under logits / temperature, fp32."""
-    logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], use_cache=False).logits
-    index = t["predict_at"][..., None].expand(-1, -1, logits.shape[-1])
-    logits = torch.gather(logits, 1, index).float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    chosen = torch.gather(log_probs, -1, t["targets"][..., None])[..., 0]
-    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
-    return chosen, entropy
+def hf_name(name: str) -> str:
+    """A parameter's Hugging Face name, without the wrappers the parallelisation added."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
@@ -102,14 +79,27 @@ class TrainerWorker:
                                              receivers=cfg.sampler.num_engines)
 
     def _load_model(self, mesh) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        """Shard first, then fill: the model is built on the meta device and sharded, rank 0 reads the
+        checkpoint and each rank receives only its shard, so no rank but 0 ever holds a full copy."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.manual_seed(self.cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        model.to(self.device.torch_device)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=torch.float32)
         param_dtype = getattr(torch, value_of(self.cfg.model.dtype))
-        return parallelize(model, self.device, mesh, param_dtype, self.cfg.trainer.activation_checkpointing,
-                           self.cfg.trainer.compile)
+        model = parallelize(model, self.device, mesh, param_dtype, self.cfg.trainer.activation_checkpointing,
+                            self.cfg.trainer.compile)
+        model.to_empty(device=self.device.torch_device)
+        full = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if self.rank == 0 else None
+        set_model_state_dict(model, full.state_dict() if full is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # buffers outside the state dict (rotary frequencies) were left uninitialised by to_empty
+        loaded = dict(full.named_buffers()) if full is not None else {}
+        for name, buffer in model.named_buffers():
+            if self.rank == 0:
+                buffer.copy_(loaded[hf_name(name)])
+            dist.broadcast(buffer, src=0)
+        return model
 
     def _pad_id(self) -> int:
         config = json.loads((Path(self.model_path) / "config.json").read_text())
@@ -125,11 +115,13 @@ class TrainerWorker:
         self.model.train()
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
             t = pad_batch(micro, self.pad_id, self.device.torch_device)
-            log_prob, entropy = token_logprobs(self.model, t, batch.temperature)
+            chunk = self.cfg.trainer.logprob_chunk_size
+            log_prob, entropy = token_logprobs(self.model, t, batch.temperature, chunk=chunk)
             ref_log_prob = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_log_prob, _ = token_logprobs(self.ref_model, t, batch.temperature, with_entropy=False)
+                    ref_log_prob, _ = token_logprobs(self.ref_model, t, batch.temperature, with_entropy=False,
+                                                     chunk=chunk)
             # One optimizer step per batch: the PPO ratio is taken against the current weights (it is 1);
             # rollouts from older weights (async mode) are reweighted by truncated importance sampling.
             is_weights, is_metrics = None, {}
@@ -162,9 +154,12 @@ class TrainerWorker:
 
     def _reduce_metrics(self, sums: dict[str, float], grad_norm: float, seconds: float) -> dict[str, float]:
         keys = sorted(sums)
-        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        rss = torch.zeros(self.world_size, dtype=torch.float64)
+        rss[self.rank] = peak_rss_mb()
+        totals = torch.cat([torch.tensor([sums[k] for k in keys], dtype=torch.float64), rss])
         dist.all_reduce(totals)
-        total = dict(zip(keys, totals.tolist()))
+        total = dict(zip(keys, totals[: len(keys)].tolist()))
+        rank_rss = totals[len(keys):].tolist()
         tokens = max(total.pop("tokens"), 1.0)
         out = {
             "actor/loss": total.pop("loss") / self.world_size,
@@ -174,7 +169,8 @@ class TrainerWorker:
             "actor/lr": self.scheduler.get_last_lr()[0],
             "time/train_s": seconds,
             "perf/train_tokens": tokens,
-            "perf/trainer_peak_rss_mb": peak_rss_mb(),  # this rank's (the controller keeps rank 0's)
+            "perf/trainer_peak_rss_mb": max(rank_rss),  # the largest rank's
+            **{f"perf/trainer_{rank}_peak_rss_mb": mb for rank, mb in enumerate(rank_rss)},
         }
         out.update({k: v / tokens for k, v in total.items()})
         return out
@@ -184,32 +180,51 @@ class TrainerWorker:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
-    def served_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full weights in the dtype the sampler serves (`model.dtype`): bf16 halves what a sync moves.
+    def served_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The full weights bucket by bucket, on the host, in the dtype the sampler serves (`model.dtype`).
 
-        The engine would round the fp32 master weights to its dtype on load anyway; rounding here
-        gives it the same values.
+        Collective: every rank iterates, gathering one bucket's parameters from their shards at a
+        time, so no process holds more than one bucket beyond its shard; rank 0 gets the tensors,
+        the others empty buckets. bf16 halves what a sync moves; the engine would round the fp32
+        master weights to its dtype on load anyway, so rounding here gives it the same values.
         """
         dtype = getattr(torch, value_of(self.cfg.model.dtype))
-        return {name: tensor.to(dtype) for name, tensor in self.full_state_dict().items()}
+        # tied weights under each of their names: vLLM's CPU backend keeps its own copy of a tied head
+        params = {hf_name(name): param for name, param in self.model.named_parameters(remove_duplicate=False)}
+        sizes = {name: param.numel() * dtype.itemsize for name, param in params.items()}
+        for names in sync.plan_buckets(sizes, int(self.cfg.sync.bucket_mb * 2**20)):
+            bucket = {}
+            for name in names:
+                param = params[name].detach()
+                full = param.full_tensor() if isinstance(param, DTensor) else param  # all-gather of the shards
+                if self.rank == 0:
+                    bucket[name] = full.to("cpu", dtype)
+            yield bucket
+
+    def served_specs(self) -> dict[str, torch.Tensor]:
+        """Names, shapes and dtypes of what `served_buckets` yields, as meta tensors, in the same order."""
+        dtype = getattr(torch, value_of(self.cfg.model.dtype))
+        return {hf_name(name): torch.empty(param.shape, dtype=dtype, device="meta")
+                for name, param in self.model.named_parameters(remove_duplicate=False)}
 
     def publish_weights(self, version: int) -> sync.WeightBundle | None:
-        """Gather the full weights; rank 0 returns the bundle for the sampler, other ranks None."""
-        state = self.served_state_dict()
+        """Stream the full weights into the transport; rank 0 returns the bundle for the sampler, others None."""
+        buckets = self.served_buckets()
         if self.rank != 0:
+            for _ in buckets:  # take part in every bucket's gather
+                pass
             return None
-        return sync.pack(state, version, self.transport, self.cfg.sync.bucket_mb)
+        return sync.pack_buckets(buckets, version, self.transport)
 
     def connect_tpu_sync(self, samplers: list) -> list[str] | None:
         """`sync.transport=tpu_sync` handshake: rank 0 plans the slots, every engine listens, rank 0 connects."""
         from rl_tpu.sync_tpu import SlotPlan
 
-        state = self.served_state_dict()  # every rank takes part in the gather
         if self.rank != 0:
             return None
         import ray
 
-        plan = SlotPlan.of(state, int(self.cfg.sync.bucket_mb * 2**20))
+        plan = SlotPlan.of(self.served_specs(), int(self.cfg.sync.bucket_mb * 2**20))
         endpoints = ray.get([sampler.open_tpu_sync.remote(plan) for sampler in samplers],
                             timeout=self.cfg.ray.start_timeout_s)
         self.transport.connect(plan, endpoints, self.device.torch_device)

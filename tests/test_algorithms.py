@@ -12,7 +12,8 @@ from rl_tpu import algorithms
 from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode
 from rl_tpu.models.tiny import build_model
 from rl_tpu.rollout import TrainBatch
-from rl_tpu.trainer import micro_batches, pad_batch, token_logprobs
+from rl_tpu.logprobs import pad_batch, token_logprobs
+from rl_tpu.trainer import micro_batches
 
 
 def make_batch(seed: int = 0, size: int = 8, temperature: float = 0.7) -> TrainBatch:
@@ -136,3 +137,37 @@ def test_truncated_importance_weights_reweight_the_policy_gradient():
     plain = grad(None)
     assert torch.allclose(grad(weights), plain * expected, atol=1e-7)
     assert torch.equal(grad(torch.ones_like(mask) * mask), plain)  # weights of 1: the on-policy gradient
+
+
+def test_chunked_logprobs_and_entropy_equal_the_whole_computation(tiny_model_dir):
+    """Chunks of 3 positions (and their backward, recomputed) against the full fp32 log-softmax in one piece."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = make_batch(seed=3, size=6, temperature=0.7)
+    t = pad_batch(batch, pad_id=1, device=torch.device("cpu"))
+    chunked, chunked_entropy = token_logprobs(model, t, 0.7, chunk=3)
+    (chunked.sum() + chunked_entropy.sum()).backward()
+    chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    whole, whole_entropy = token_logprobs(model, t, 0.7, chunk=t["targets"].shape[1])
+    (whole.sum() + whole_entropy.sum()).backward()
+    assert t["targets"].shape[1] > 3  # more than one chunk
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(chunked_entropy, whole_entropy, rtol=0, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(chunked_grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_left_padded_batch_scores_like_each_sequence_alone(tiny_model_dir):
+    """Padding never changes a token's logprob: the batch equals each row run on its own, unpadded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    batch = make_batch(seed=4, size=5, temperature=1.0)
+    with torch.no_grad():
+        together, _ = token_logprobs(model, pad_batch(batch, 1, torch.device("cpu")), 1.0)
+        for i in range(len(batch)):
+            alone, _ = token_logprobs(model, pad_batch(batch.shard(i, len(batch)), 1, torch.device("cpu")), 1.0)
+            n = len(batch.completion_ids[i])
+            torch.testing.assert_close(together[i, :n], alone[0, :n], rtol=0, atol=1e-5)

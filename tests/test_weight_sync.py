@@ -12,7 +12,7 @@ import torch
 from rl_tpu import sync
 from rl_tpu.rollout import TrainBatch
 from rl_tpu.sampler import SamplingSettings, launch_sampler
-from rl_tpu.trainer import pad_batch, token_logprobs
+from rl_tpu.logprobs import pad_batch, token_logprobs
 
 PROMPTS = ["Q: What is 12 + 7? A:", "Q: What is 3 - 50? A:", "Q: What is 99 + 99? A:", "Q: What is 0 - 0? A:"]
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
@@ -175,3 +175,11 @@ def test_names_map_onto_fused_engine_weights():
 def test_bundle_that_does_not_fill_the_engine_is_refused(names, message):
     with pytest.raises(sync.WeightSyncError, match=message):
         sync.check_names(bundle_named(names), FUSED_ENGINE)
+
+
+def test_a_tied_head_left_out_is_refused():
+    """vLLM's CPU backend keeps its own copy of a tied head: the sampler requires it, so a bundle without it fails."""
+    tied_engine = FUSED_ENGINE | {"lm_head.weight"}
+    sync.check_names(bundle_named(HF_LAYER), tied_engine)
+    with pytest.raises(sync.WeightSyncError, match=r"missing \['lm_head.weight'\]"):
+        sync.check_names(bundle_named([n for n in HF_LAYER if n != "lm_head.weight"]), tied_engine)

@@ -66,7 +66,7 @@ def warm_start(model: torch.nn.Module, tokenizer, problems: list[tuple[int, str,
     With `teacher_error` > 0 that fraction of labels comes from a teacher who forgets to carry, a
     systematic mistake that only the verifier's reward can reveal to the policy.
     """
-    from rl_tpu.trainer import pad_batch, token_logprobs
+    from rl_tpu.logprobs import pad_batch, token_logprobs
 
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
