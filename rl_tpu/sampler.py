@@ -138,10 +138,13 @@ class Sampler:
 
     def open_tpu_sync(self, plan) -> str:
         """Listen for TPU Sync pushes laid out as `plan`; returns the endpoint the trainer pushes to."""
+        import ray
+
         from rl_tpu.device import Device
         from rl_tpu.sync_tpu import open_receiver
 
-        return open_receiver(plan, Device.resolve("auto").torch_device)
+        # the trainer may be on another host: listen on, and advertise, this node's address
+        return open_receiver(plan, Device.resolve("auto").torch_device, ray.util.get_node_ip_address())
 
     def serving_version(self) -> int:
         return self.version

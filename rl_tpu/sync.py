@@ -249,7 +249,9 @@ def make_transport(name: str, shm_dir: str = "/dev/shm/rl_tpu", host: str = "127
     cls = transport_class(name)
     if cls is ShmFileTransport:
         return cls(shm_dir)
-    return cls(host, receivers) if cls is CollectiveTransport else cls()
+    if cls is CollectiveTransport:
+        return cls(host, receivers)
+    return cls(bind_ip=host) if name == "tpu_sync" else cls()
 
 
 def pack(state_dict: dict[str, torch.Tensor], version: int, transport: Transport | None = None,
