@@ -90,7 +90,7 @@ def measure(cfg: RunConfig, model: Path, steps: int, warmup: int) -> dict:
         prompt_batches = batches(examples, cfg.data.train_batch_size, cfg.data.seed)
         for step in range(1, warmup + steps + 1):
             prompts = next(prompt_batches)
-            rows.append(controller.grpo_step(step, prompts, controller.generate_batch(workers, prompts, cfg), workers,
+            rows.append(controller.grpo_step(step, prompts, controller.generate_batch(workers, prompts, cfg, step), workers,
                                              tokenizer, grader, cfg))
     finally:
         workers.shutdown()

@@ -9,7 +9,10 @@ recipes/grpo_gsm8k/prepare.py) scored by the `gsm8k` reward, `--prompts` x `--n`
 of at most `--new-tokens` tokens. Each world size is one run through `controller.run`, the
 real path (placement, FSDP2 ranks, vLLM engine, weight sync); figures are medians over the
 steps after `--warmup`, and peak RSS is per process (each trainer rank, the sampler, the
-driver).
+driver). Activation checkpointing is on, micro-batches are 2 sequences and the engine's KV
+cache is 0.5 GiB (32 sequences of at most 640 tokens need 0.25), as a 24 GB host needs:
+without checkpointing the world-size-1 trainer reached 13.9 GB and Ray's memory monitor
+stopped the run.
 
     python benchmarks/real_size.py              # writes benchmarks/results/real_size.json
 """
@@ -35,6 +38,14 @@ from rl_tpu.metrics import peak_rss_mb, read_metrics  # noqa: E402
 QWEN_VOCAB = 151_936
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_model_in_subprocess(folder: Path) -> Path:
+    """Build in a child process, so that the driver does not keep the memory of a full model it never uses."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(build_model, (folder,))
 
 
 def build_model(folder: Path) -> Path:
@@ -70,9 +81,10 @@ def run_config(model: Path, train: Path, test: Path, world_size: int, args) -> R
     cfg.device, cfg.model.path, cfg.model.dtype = "cpu", str(model), "bfloat16"
     cfg.data.train_files, cfg.data.val_files = str(train), str(test)
     cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.val_max_samples = args.prompts, 512, args.prompts
-    cfg.sampler.n, cfg.sampler.response_length, cfg.sampler.kv_cache_gb = args.n, args.new_tokens, 2.0
+    cfg.sampler.n, cfg.sampler.response_length, cfg.sampler.kv_cache_gb = args.n, args.new_tokens, 0.5
     cfg.reward.name = "gsm8k"
     cfg.trainer.world_size, cfg.trainer.micro_batch_size = world_size, args.micro_batch_size
+    cfg.trainer.activation_checkpointing = True  # as the real-model recipes set it
     cfg.trainer.total_steps, cfg.trainer.eval_every = args.warmup + args.steps, 10_000
     cfg.trainer.export, cfg.trainer.checkpoint_final = False, False
     cfg.ray.object_store_mb = 2048
@@ -107,21 +119,25 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "real_size.json")
     args = parser.parse_args()
+    # Inherited by the local Ray cluster's workers: glibc's per-thread malloc arenas hold on to freed
+    # memory, and 24 GB leave ~1 GB to spare at world size 2, under Ray's default 95% kill threshold.
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+    os.environ.setdefault("RAY_memory_usage_threshold", "0.98")
     load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "model")
+        model = build_model_in_subprocess(Path(tmp) / "model")
         train, test = prepare_data(args.gsm8k, Path(tmp) / "data")
         for world_size in args.world_sizes:
             cfg = run_config(model, train, test, world_size, args)
             runs.append({**measure(cfg, Path(tmp) / f"run-ws{world_size}", args.warmup), "load_average": os.getloadavg()})
             print(json.dumps(runs[-1]), flush=True)
-    base = runs[0]
+    base = min(runs, key=lambda r: r["world_size"])
     for run in runs:
         run["largest_rank_rss_vs_first"] = max(run["trainer_rank_peak_rss_mb"]) / max(base["trainer_rank_peak_rss_mb"])
         print(f"world size {run['world_size']}: {run['step_s']:.1f} s/step (generate {run['generate_s']:.1f}, train "

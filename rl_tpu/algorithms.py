@@ -22,6 +22,15 @@ def validate_adv_estimator(name: str) -> None:
         raise ValueError(f"algorithm.adv_estimator={name!r}: allowed values are {', '.join(GROUP_ADV_ESTIMATORS)}")
 
 
+# verl's KL estimators (core_algos.kl_penalty), by the names it accepts
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+
+
+def validate_kl_loss_type(name: str) -> None:
+    if name not in KL_PENALTIES:
+        raise ValueError(f"actor.kl_loss_type={name!r}: allowed values are {', '.join(KL_PENALTIES)}")
+
+
 def group_advantages(rewards: list[float], groups: list[int], cfg: AlgorithmConfig) -> list[float]:
     """One advantage per sequence from its outcome reward, normalised within its prompt group."""
     from verl.trainer.ppo import core_algos

@@ -104,7 +104,7 @@ class SamplerConfig:
     kv_cache_gb: Optional[float] = 1.0  # the engine's KV cache; None on an accelerator: gpu_memory_utilization decides
     # the share of an accelerator's memory the engine may take; None: 0.85 on a device of its own, 0.4 colocated
     gpu_memory_utilization: Optional[float] = None
-    seed: int = 0  # engine i samples with seed + i
+    seed: int = 0  # each prompt's draws at each step are seeded from this, the step and the prompt's index
     num_cpus: float = 1.0  # CPUs reserved for each engine
     num_engines: int = 1  # vLLM engines (Ray actors); each receives every weight version and a share of each batch
     # place engines only on Ray nodes with these labels (`ray start --labels=role=sampler`); {}: anywhere
@@ -143,7 +143,9 @@ class TrainerConfig:
     micro_batch_size: int = 64  # sequences per forward/backward on each rank
     activation_checkpointing: bool = False
     # completion positions whose fp32 log-softmax is computed (and recomputed in backward) at once
-    logprob_chunk_size: int = 256
+    logprob_chunk_size: int = 32
+    # pad prompt and response lengths up to these sizes, so compiled graphs are reused (TPU); []: no padding
+    seq_buckets: list[int] = field(default_factory=list)
     compile: bool = False
     threads_per_rank: int = 1
     # place trainer ranks only on Ray nodes with these labels (`ray start --labels=role=trainer`); {}: anywhere
@@ -156,6 +158,8 @@ class TrainerConfig:
     export: bool = True  # write the final policy as a Hugging Face folder
     checkpoint_every: int = 0  # steps between resumable checkpoints (0: none during the run)
     checkpoint_final: bool = True  # a resumable checkpoint after the last step
+    keep_last: int = 3  # complete checkpoints kept (older ones are removed after each save); 0: keep all
+    max_skipped_steps: int = 3  # this many updates skipped in a row (non-finite loss or gradient) stop the run
     resume_from: Optional[str] = None  # a run folder (its latest checkpoint) or a checkpoints/step_N folder
 
 

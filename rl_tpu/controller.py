@@ -11,6 +11,7 @@ older weights. The held-out evaluation is graded while the sampler generates the
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import statistics
@@ -21,12 +22,14 @@ from pathlib import Path
 
 import ray
 
-from rl_tpu import algorithms, placement
+from rl_tpu import algorithms, checkpoints, placement
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
+from rl_tpu.device import Device
 from rl_tpu.grader import Grader, Grades, Sample, reward_sources
 from rl_tpu.metrics import MetricsLogger, final_accuracy
-from rl_tpu.models import resolve_model_path
+from rl_tpu.models import check_decoder, resolve_model_path
+from rl_tpu.recovery import SkippedStepGuard
 from rl_tpu.rollout import Rollout, TrainBatch
 from rl_tpu.sampler import SamplingSettings
 from rl_tpu.sampler_pool import PendingRollouts
@@ -38,7 +41,18 @@ log = logging.getLogger(__name__)
 def validate(cfg: RunConfig) -> None:
     """Value checks the type system cannot express; each names the key and what is allowed."""
     algorithms.validate_adv_estimator(cfg.algorithm.adv_estimator)
+    algorithms.validate_kl_loss_type(cfg.actor.kl_loss_type)
     reward_sources(cfg.reward, cfg.custom_reward_function)
+    t = cfg.trainer
+    if min(t.eval_every, t.micro_batch_size, t.total_steps, cfg.data.train_batch_size) < 1:
+        raise ValueError(f"trainer.eval_every={t.eval_every}, trainer.micro_batch_size={t.micro_batch_size}, "
+                         f"trainer.total_steps={t.total_steps} and data.train_batch_size={cfg.data.train_batch_size} "
+                         "must each be at least 1")
+    if t.keep_last < 0 or t.checkpoint_every < 0:
+        raise ValueError(f"trainer.keep_last={t.keep_last} and trainer.checkpoint_every={t.checkpoint_every} must be "
+                         ">= 0 (0: keep every checkpoint / none during the run)")
+    if t.resume_from:
+        checkpoints.latest(Path(t.resume_from).expanduser())  # names the folder if there is nothing to resume
     if not 0.0 <= cfg.reward.max_failure_rate <= 1.0 or cfg.reward.timeout_s <= 0:
         raise ValueError(f"reward.max_failure_rate={cfg.reward.max_failure_rate} must be in [0, 1] and "
                          f"reward.timeout_s={cfg.reward.timeout_s} > 0")
@@ -57,6 +71,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.sampler.temperature <= 0:
         raise ValueError(f"sampler.temperature={cfg.sampler.temperature} must be > 0 for training rollouts")
     placement.check_request(cfg)
+    if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
+        Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray
 
 
 def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Future:
@@ -85,10 +101,17 @@ def finish_eval(pending: PendingRollouts, examples: list[Example], tokenizer, gr
             "time/eval_wait_s": time.perf_counter() - start}
 
 
-def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig) -> PendingRollouts:
+def sampling_seed(seed: int, step: int, prompt: int) -> int:
+    """The seed of one prompt's draws at one step: fixed by the run's seed alone, so a resumed run repeats them."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{prompt}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig, step: int) -> PendingRollouts:
     s = cfg.sampler
     settings = SamplingSettings(s.n, s.temperature, s.top_p, s.top_k, s.response_length)
-    return workers.samplers.generate([p.prompt_ids for p in prompts], settings)
+    seeds = [sampling_seed(s.seed, step, i) for i in range(len(prompts))]
+    return workers.samplers.generate([p.prompt_ids for p in prompts], settings, seeds)
 
 
 def grpo_step(step: int, prompts: list[Example], pending: PendingRollouts, workers: Workers, tokenizer,
@@ -155,7 +178,7 @@ class RolloutQueue:
         last = min(step + self.cfg.trainer.max_staleness, self.cfg.trainer.total_steps)
         while self.next_step <= last:
             prompts = next(self.prompt_batches)
-            self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg)))
+            self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg, self.next_step)))
             self.next_step += 1
 
     def pop(self, step: int) -> tuple[list[Example], PendingRollouts]:
@@ -172,35 +195,31 @@ def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
     return ensure_arithmetic_dataset(cache_dir / "data", d.ops, d.max_operand, d.num_eval, d.seed)
 
 
-CHECKPOINT_PREFIX = "step_"
-
-
-def save_checkpoint(workers: Workers, run_dir: Path, step: int) -> Path:
-    folder = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step}"
+def save_checkpoint(workers: Workers, run_dir: Path, step: int, keep_last: int) -> Path:
+    folder = checkpoints.folder_for(run_dir, step)
     workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder))
+    checkpoints.prune(run_dir, keep_last)
     return folder
-
-
-def latest_checkpoint(path: Path) -> Path:
-    """`path` itself if it is a checkpoint, else the highest-step complete checkpoint of a run folder."""
-    if path.name.startswith(CHECKPOINT_PREFIX) and (path / ".metadata").is_file():
-        return path
-    found = [p for p in (path / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*") if (p / ".metadata").is_file()]
-    if not found:
-        raise FileNotFoundError(f"trainer.resume_from={path}: no complete checkpoint (checkpoints/step_N) there")
-    return max(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
 
 
 def resume(cfg: RunConfig, workers: Workers) -> int:
     """Load the trainer state and give the sampler the same weights; returns the step to continue after."""
     if not cfg.trainer.resume_from:
         return 0
-    checkpoint = latest_checkpoint(Path(cfg.trainer.resume_from).expanduser())
-    step = int(checkpoint.name.removeprefix(CHECKPOINT_PREFIX))
+    checkpoint = checkpoints.latest(Path(cfg.trainer.resume_from).expanduser())
+    step = checkpoints.step_of(checkpoint)
     workers.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
     workers.install(workers.publish(step))
     log.info("resumed from %s at step %d", checkpoint, step)
     return step
+
+
+def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]) -> None:
+    """What the model and the data decide, checked before Ray starts."""
+    if cfg.data.train_batch_size > len(train_examples):
+        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the "
+                         f"{len(train_examples)} usable prompts of {cfg.data.train_files or 'the arithmetic task'}")
+    check_decoder(model_path)
 
 
 def start_ray(cfg: RunConfig) -> None:
@@ -230,6 +249,7 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
+    check_inputs(cfg, model_path, train_examples)
     grader = Grader(cfg.reward, cfg.custom_reward_function)
     start_ray(cfg)
     kind = placement.device_kind(cfg.device, ray.cluster_resources())
@@ -252,9 +272,11 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
         for _ in range(start_step):  # the same batches a run that never stopped would see next
             next(prompt_batches)
         queue = RolloutQueue(workers, prompt_batches, cfg, first_step=start_step + 1)
+        guard = SkippedStepGuard(cfg.trainer.max_skipped_steps)
         for step in range(start_step + 1, total + 1):
             prompts, pending = queue.pop(step)
             metrics = grpo_step(step, prompts, pending, workers, tokenizer, grader, cfg)
+            guard.observe(step, metrics, prompts)
             pending_eval = None
             if step % cfg.trainer.eval_every == 0 or step == total:
                 pending_eval = generate_eval(workers, eval_examples, max_tokens)
@@ -265,7 +287,7 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
             logger.log(step, metrics)
             every = cfg.trainer.checkpoint_every
             if (every and step % every == 0) or (step == total and cfg.trainer.checkpoint_final):
-                save_checkpoint(workers, run_dir, step)
+                save_checkpoint(workers, run_dir, step, cfg.trainer.keep_last)
         if cfg.trainer.export:
             workers.on_trainers("export", "exporting the policy", str(run_dir / "export"))
     finally:

@@ -10,19 +10,31 @@ would be the largest allocation of a step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from rl_tpu.rollout import TrainBatch
 
-DEFAULT_CHUNK = 256  # completion positions per chunk of the fp32 log-softmax
+DEFAULT_CHUNK = 32  # completion positions per chunk of the fp32 log-softmax (x rows x vocabulary floats)
 
 
-def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+def bucketed(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `length` (the length itself past the largest, or without buckets)."""
+    return min((b for b in buckets if b >= length), default=length)
+
+
+def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device,
+              buckets: Sequence[int] = ()) -> dict[str, torch.Tensor]:
     """Prompts left-padded to end in column P-1, completions right-padded from column P; (bs, response_len)
-    tensors in verl's layout. Completion token j of every row is predicted by the logits at column P-1+j."""
-    prompt_len = max(map(len, batch.prompt_ids))
-    resp_len = max(1, max(map(len, batch.completion_ids)))
+    tensors in verl's layout. Completion token j of every row is predicted by the logits at column P-1+j.
+
+    With `buckets` (`trainer.seq_buckets`), P and the response length are each rounded up to a bucket,
+    so that a compiler sees a few shapes only (TPU graphs are compiled per shape); padding changes no
+    token's logprob."""
+    prompt_len = bucketed(max(map(len, batch.prompt_ids)), buckets)
+    resp_len = bucketed(max(1, max(map(len, batch.completion_ids))), buckets)
     rows = len(batch)
     input_ids = torch.full((rows, prompt_len + resp_len), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)

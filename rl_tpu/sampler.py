@@ -65,9 +65,13 @@ class Sampler:
 
         if kv_cache_gb is None and current_platform.is_cpu():
             raise ValueError("sampler.kv_cache_gb is required on CPU (vLLM would otherwise claim most of the RAM)")
-        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
+        engine_args = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
         if options.gpu_memory_utilization is not None and not current_platform.is_cpu():
-            memory["gpu_memory_utilization"] = options.gpu_memory_utilization
+            engine_args["gpu_memory_utilization"] = options.gpu_memory_utilization
+        if current_platform.is_cpu():
+            # Per-prompt seeds (exact resume) fail on CPU when a prompt's prefill is split across steps:
+            # vLLM then rewinds the request's generator, and CPU generators have no offset to rewind.
+            engine_args["enable_chunked_prefill"] = False
         self.options = options
         self.llm = LLM(
             model=model_path,
@@ -77,7 +81,7 @@ class Sampler:
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
             enforce_eager=True,
             enable_sleep_mode=options.sleep_mode,
-            **memory,
+            **engine_args,
         )
         self.version = 0
         # what the engine holds (fused names included): every install must fill all of it
@@ -86,19 +90,26 @@ class Sampler:
             # vLLM's CPU backend repacks the head into storage of its own: a new embedding alone would leave it stale
             self.engine_params.add("lm_head.weight")
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Rollout]:
-        """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index."""
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings,
+                 seeds: list[int] | None = None) -> list[Rollout]:
+        """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index.
+
+        `seeds`, one per prompt, make each prompt's draws independent of the engine's state and of
+        which engine serves it: a resumed run, a restarted engine or a different number of engines
+        draws the same tokens.
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
+        params = [SamplingParams(
             n=settings.n,
             temperature=settings.temperature,
             top_p=settings.top_p,
             top_k=settings.top_k,
             max_tokens=settings.max_tokens,
             logprobs=0 if settings.logprobs else None,
-        )
+            seed=seed,
+        ) for seed in (seeds if seeds is not None else [None] * len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         rollouts = []
         for group, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):

@@ -60,9 +60,14 @@ class SamplerPool:
     def names(self) -> list[str]:
         return [f"sampler_{i}" for i in range(len(self.engines))]
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> PendingRollouts:
-        chunks = [(engine, part, self.engines[engine].generate.remote([prompts[i] for i in part], settings))
-                  for engine, part in enumerate(split_evenly(len(prompts), len(self.engines)))]
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings,
+                 seeds: list[int] | None = None) -> PendingRollouts:
+        """Each engine generates its share; `seeds` (one per prompt) travel with their prompts."""
+        chunks = []
+        for engine, part in enumerate(split_evenly(len(prompts), len(self.engines))):
+            part_seeds = [seeds[i] for i in part] if seeds is not None else None
+            ref = self.engines[engine].generate.remote([prompts[i] for i in part], settings, part_seeds)
+            chunks.append((engine, part, ref))
         return PendingRollouts(self, chunks)
 
     def call(self, method: str, what: str, timeout_s: float, *args) -> list:

@@ -8,6 +8,7 @@ loss from verl's core_algos, backward, clip, step. Weights leave through `publis
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -104,7 +105,9 @@ class TrainerWorker:
     def _pad_id(self) -> int:
         config = json.loads((Path(self.model_path) / "config.json").read_text())
         pad = config.get("pad_token_id")
-        return int(pad if pad is not None else (config.get("eos_token_id") or 0))
+        eos = config.get("eos_token_id") or 0
+        # Llama 3 lists several end tokens; any of them pads (padded positions are masked out)
+        return int(pad if pad is not None else (eos[0] if isinstance(eos, list) else eos))
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
@@ -114,7 +117,7 @@ class TrainerWorker:
         sums: dict[str, float] = defaultdict(float)
         self.model.train()
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
-            t = pad_batch(micro, self.pad_id, self.device.torch_device)
+            t = pad_batch(micro, self.pad_id, self.device.torch_device, self.cfg.trainer.seq_buckets)
             chunk = self.cfg.trainer.logprob_chunk_size
             log_prob, entropy = token_logprobs(self.model, t, batch.temperature, chunk=chunk)
             ref_log_prob = None
@@ -143,14 +146,15 @@ class TrainerWorker:
                 sums[key] += value * n_tok  # token-weighted average over micro-batches
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.algorithm.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite grad norm {grad_norm.item()} at update {self.scheduler.last_epoch + 1}; "
-                                     "no update was applied. Lower algorithm.lr or check the rewards.")
-        self.optimizer.step()
-        self.scheduler.step()
+        skipped = not torch.isfinite(grad_norm)  # a non-finite loss or gradient: nothing of it reaches the weights
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._reduce_metrics(sums, grad_norm.item(), time.perf_counter() - start)
+        metrics = self._reduce_metrics(sums, grad_norm.item(), time.perf_counter() - start)
+        if skipped:  # the batch's loss and gradient figures are not numbers; the rest of the step's are kept
+            metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        return {**metrics, "actor/skipped": float(skipped)}
 
     def _reduce_metrics(self, sums: dict[str, float], grad_norm: float, seconds: float) -> dict[str, float]:
         keys = sorted(sums)

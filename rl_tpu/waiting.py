@@ -21,7 +21,7 @@ class ActorError(RuntimeError):
 def gather(calls: Sequence[tuple[str, Any]], what: str, timeout_s: float, log_dir: str | Path | None = None) -> list:
     """`ray.get` of `(actor name, ObjectRef)` pairs, in order, within `timeout_s` for all of them."""
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import RayActorError, RayError, RayTaskError
 
     names = {ref: name for name, ref in calls}
     pending, results = [ref for _, ref in calls], {}
@@ -38,6 +38,9 @@ def gather(calls: Sequence[tuple[str, Any]], what: str, timeout_s: float, log_di
             raise ActorError(f"{what} failed in {names[ref]}{_logs([ref], names, log_dir)}:\n{err}") from err
         except RayActorError as err:
             raise ActorError(f"{what}: {names[ref]} died{_logs([ref], names, log_dir)}: {err}") from err
+        except RayError as err:  # e.g. OutOfMemoryError: Ray's memory monitor killed the actor's worker
+            raise ActorError(f"{what}: {names[ref]} was stopped by Ray ({type(err).__name__})"
+                             f"{_logs([ref], names, log_dir)}: {err}") from err
     return [results[ref] for _, ref in calls]
 
 

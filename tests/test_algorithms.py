@@ -171,3 +171,21 @@ def test_left_padded_batch_scores_like_each_sequence_alone(tiny_model_dir):
             alone, _ = token_logprobs(model, pad_batch(batch.shard(i, len(batch)), 1, torch.device("cpu")), 1.0)
             n = len(batch.completion_ids[i])
             torch.testing.assert_close(together[i, :n], alone[0, :n], rtol=0, atol=1e-5)
+
+
+def test_length_buckets_pad_to_a_few_shapes_without_changing_any_logprob(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.logprobs import bucketed
+
+    assert [bucketed(n, (16, 32)) for n in (1, 16, 17, 40)] == [16, 16, 32, 40]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    batch = make_batch(seed=6, size=4, temperature=1.0)
+    plain = pad_batch(batch, 1, torch.device("cpu"))
+    padded = pad_batch(batch, 1, torch.device("cpu"), buckets=(16, 32))
+    assert padded["input_ids"].shape == (4, 16 + 16) and padded["targets"].shape == (4, 16)
+    with torch.no_grad():
+        exact, _ = token_logprobs(model, plain, 1.0)
+        bucket, _ = token_logprobs(model, padded, 1.0)
+    mask = plain["response_mask"].bool()
+    torch.testing.assert_close(bucket[:, : exact.shape[1]][mask], exact[mask], rtol=0, atol=1e-5)

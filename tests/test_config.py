@@ -86,3 +86,12 @@ def test_reward_settings_are_checked_at_start():
     cfg = compose_run("custom_reward_function.path=examples/custom_reward/reward.py", "+reward.combine={custom: 1, format: 0.1}")
     validate(cfg)
     assert cfg.custom_reward_function.name == "compute_score" and cfg.reward.combine == {"custom": 1.0, "format": 0.1}
+
+
+@pytest.mark.parametrize("device, missing", [("cuda", "this process sees no accelerator"),
+                                             ("tpu", "device=tpu needs the torch-tpu package")])
+def test_a_missing_accelerator_fails_at_once_naming_it(device, missing):
+    result = subprocess.run([sys.executable, "-m", "rl_tpu.main", "+recipe=grpo_math", f"device={device}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and missing in result.stderr
+    assert "Started a local Ray instance" not in result.stderr  # before Ray, before any model is built

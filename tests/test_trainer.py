@@ -91,3 +91,27 @@ def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_clus
     plain = plain_after_steps(tiny_model_dir, batch, steps=1)
     for name, tensor in plain.items():
         torch.testing.assert_close(published[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_non_finite_loss_skips_the_update_and_training_goes_on(tiny_model_dir, batch):
+    import dataclasses
+    import math
+
+    cfg = RunConfig()
+    cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size = "cpu", 1e-3, 4
+    threads = torch.get_num_threads()
+    worker = TrainerWorker(cfg, str(tiny_model_dir), 0, 1, "127.0.0.1", free_port())
+    try:
+        before = {name: t.clone() for name, t in worker.full_state_dict().items()}  # (at world size 1: views)
+        poisoned = dataclasses.replace(batch, advantages=[math.nan] + batch.advantages[1:])
+        skipped = worker.train_step(poisoned)
+        assert skipped["actor/skipped"] == 1.0 and "actor/loss" not in skipped
+        assert all(math.isfinite(v) for v in skipped.values())  # what is left can be logged
+        after = worker.full_state_dict()
+        assert all(torch.equal(before[name], after[name]) for name in before)  # nothing of it reached the weights
+        trained = worker.train_step(batch)
+        assert trained["actor/skipped"] == 0.0 and trained["actor/grad_norm"] > 0
+        assert not torch.equal(worker.full_state_dict()["model.norm.weight"], before["model.norm.weight"])
+    finally:
+        worker.shutdown()
+        torch.set_num_threads(threads)

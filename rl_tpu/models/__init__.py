@@ -38,6 +38,20 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
     return folder
 
 
+def check_decoder(model_path: Path) -> None:
+    """The trainer shards `model.model.layers` block by block: check a model has them (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_tpu.parallelize import decoder_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    try:
+        decoder_layers(model)
+    except TypeError as err:
+        raise TypeError(f"model.path={model_path}: {err}; rl_tpu trains Llama/Qwen-style decoders") from err
+
+
 def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> None:
     """Tokenizer + model from config + supervised warm start, written atomically to `folder`."""
     from rl_tpu.models.tiny import build_model, build_tokenizer, save_hf_folder

@@ -1,0 +1,56 @@
+"""Checkpoints of a run: where they go, which one to resume from, and how many to keep.
+
+A checkpoint is `RUN_DIR/checkpoints/step_N`: the trainer ranks' sharded model, optimizer and
+scheduler state (torch.distributed.checkpoint). The ranks write into `step_N.partial` and rank 0
+renames it once all have finished, so only a folder named exactly `step_N` with a `.metadata`
+file is complete; anything else (a crash mid-save) is ignored and removed by the next save.
+The rest of what decides the next step needs no saving: the prompts' order is replayed from
+the data seed, and every prompt's sampling seed follows from the run's seed and the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PREFIX = "step_"
+_COMPLETE = re.compile(rf"{PREFIX}(\d+)")
+
+
+def folder_for(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"{PREFIX}{step}"
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(_COMPLETE.fullmatch(checkpoint.name).group(1))
+
+
+def complete(root: Path) -> list[Path]:
+    """The complete checkpoints under `root/checkpoints`, oldest first."""
+    found = [p for p in (root / "checkpoints").glob(f"{PREFIX}*")
+             if _COMPLETE.fullmatch(p.name) and (p / ".metadata").is_file()]
+    return sorted(found, key=step_of)
+
+
+def latest(path: Path) -> Path:
+    """`path` itself if it is a complete checkpoint, else the newest complete checkpoint of a run folder."""
+    if _COMPLETE.fullmatch(path.name) and (path / ".metadata").is_file():
+        return path
+    found = complete(path)
+    if not found:
+        raise FileNotFoundError(f"trainer.resume_from={path}: no complete checkpoint (checkpoints/step_N with a "
+                                ".metadata file) there")
+    return found[-1]
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    """After a save: drop interrupted saves (`.partial` and other stray folders) and all but the newest `keep_last`."""
+    keep = set(complete(run_dir)[-keep_last:] if keep_last > 0 else complete(run_dir))
+    for folder in (run_dir / "checkpoints").glob(f"{PREFIX}*"):
+        if folder not in keep:
+            log.info("removing checkpoint folder %s", folder)
+            shutil.rmtree(folder, ignore_errors=True)

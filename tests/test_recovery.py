@@ -1,0 +1,77 @@
+"""Checkpoint lifecycle, skipped non-finite updates, and the checks that run before Ray starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl_tpu import checkpoints
+from rl_tpu.controller import check_inputs, validate
+from rl_tpu.data import Example
+from rl_tpu.recovery import SkippedStepGuard
+from test_config import compose_run
+
+
+def make_checkpoint(run_dir, name: str, complete: bool = True):
+    folder = run_dir / "checkpoints" / name
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / ".metadata").write_bytes(b"")
+    return folder
+
+
+def test_partial_and_incomplete_folders_are_never_resumed_from(tmp_path):
+    make_checkpoint(tmp_path, "step_2")
+    make_checkpoint(tmp_path, "step_4.partial")  # a save that crashed after writing its metadata
+    make_checkpoint(tmp_path, "step_6", complete=False)
+    assert checkpoints.latest(tmp_path).name == "step_2"
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        checkpoints.latest(tmp_path / "elsewhere")
+
+
+def test_keep_last_keeps_exactly_the_newest_and_clears_interrupted_saves(tmp_path):
+    for step in (2, 4, 6, 8):
+        make_checkpoint(tmp_path, f"step_{step}")
+    make_checkpoint(tmp_path, "step_9.partial")
+    checkpoints.prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_6", "step_8"]
+    checkpoints.prune(tmp_path, keep_last=0)  # 0 keeps every complete one
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 2
+
+
+def test_skipped_updates_are_counted_and_too_many_in_a_row_stop_the_run():
+    guard = SkippedStepGuard(max_in_a_row=2)
+    prompts = [Example([1, 2], "src", "3", {"index": 41}), Example([4], "src", "5", {"index": 7})]
+    steps = [{"actor/skipped": 1.0}, {"actor/skipped": 0.0}, {"actor/skipped": 1.0}]
+    for step, metrics in enumerate(steps, start=1):
+        guard.observe(step, metrics, prompts)
+    assert [m["actor/skipped_steps"] for m in steps] == [1.0, 1.0, 2.0]
+    with pytest.raises(FloatingPointError, match=r"2 updates in a row .* step 4, prompts \[41, 7\]"):
+        guard.observe(4, {"actor/skipped": 1.0}, prompts)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.eval_every=0", "trainer.eval_every=0"),
+    ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0"),
+    ("actor.kl_loss_type=k9", "actor.kl_loss_type='k9': allowed values are kl, k1"),
+    ("trainer.keep_last=-1", "trainer.keep_last=-1"),
+    ("trainer.resume_from=/no/such/run", "trainer.resume_from=/no/such/run: no complete checkpoint"),
+])
+def test_settings_that_used_to_fail_late_fail_in_validation(override, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        validate(compose_run(override))
+
+
+def test_a_batch_larger_than_the_data_and_a_model_without_decoder_blocks_are_refused(tiny_model_dir, tmp_path):
+    cfg = compose_run("data.train_batch_size=4")
+    few = [Example([1], "src", "1", {})] * 3
+    with pytest.raises(ValueError, match="data.train_batch_size=4 is larger than the 3 usable prompts"):
+        check_inputs(cfg, tiny_model_dir, few)
+    check_inputs(cfg, tiny_model_dir, few * 2)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2,
+                                                  "vocab_size": 16, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(TypeError, match="expected decoder blocks at model.model.layers"):
+        check_inputs(cfg, gpt2, few * 2)
