@@ -20,6 +20,7 @@ from hydra.experimental.callback import Callback
 from rl_tpu.metrics import final_accuracy, read_metrics
 
 SUMMARY_FILE = "summary.md"
+FAILED_FILE = "error.txt"  # a sweep trial that raised leaves its traceback here
 
 
 def run_summary(run_dir: str | Path) -> dict[str, Any]:
@@ -58,15 +59,17 @@ def sweep_table(sweep_dir: str | Path) -> str:
     finished, failed = [], []
     for run in runs:
         varied = " ".join(o for o in overrides[run] if o not in shared) or "(none)"
-        if (run / "metrics.jsonl").is_file():
+        if (run / FAILED_FILE).is_file():  # crashed, perhaps mid-run: failed, not ranked
+            error = (run / FAILED_FILE).read_text().strip().splitlines()[-1]
+            failed.append((run, varied, f"failed: {error}"))
+        elif (run / "metrics.jsonl").is_file():
             finished.append((run, varied, run_summary(run)))
         else:
-            failed.append((run, varied))
+            failed.append((run, varied, "no metrics.jsonl (the run failed before its first step)"))
     for run, varied, s in sorted(finished, key=lambda item: -_or_minus_inf(item[2]["accuracy_final"])):
         lines.append(f"| {run.name} | {varied} | {100 * s['accuracy_start']:.1f}% -> {100 * s['accuracy_final']:.1f}% | "
                      f"{s['reward_last']:.3f} | {s['step_s']:.2f} | {s['steps']} |")
-    lines += [f"| {run.name} | {varied} | no metrics.jsonl (the run failed before its first step) | | | |"
-              for run, varied in failed]
+    lines += [f"| {run.name} | {varied} | {why.replace('|', '/')} | | | |" for run, varied, why in failed]
     common = " ".join(sorted(shared))
     return f"Sweep {sweep_dir}" + (f", common overrides: {common}" if common else "") + "\n\n" + "\n".join(lines) + "\n"
 
@@ -83,6 +86,11 @@ class SweepSummary(Callback):
         table = sweep_table(sweep_dir)
         (sweep_dir / SUMMARY_FILE).write_text(table)
         print(table)
+        failed = sorted(p.parent.name for p in sweep_dir.glob(f"*/{FAILED_FILE}"))
+        if failed:  # the sweep ran every trial; its exit status still says that some failed
+            # SystemExit, since Hydra turns a callback's exceptions into warnings and exits 0
+            raise SystemExit(f"{len(failed)} trial(s) of the sweep failed ({', '.join(failed)}): see "
+                             f"{sweep_dir / SUMMARY_FILE} and each trial's {FAILED_FILE}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,9 +47,14 @@ def test_multirun_writes_its_summary(tmp_path):
     cmd = [sys.executable, "-m", "rl_tpu.main", "-m", "+recipe=grpo_math", f"hydra.sweep.dir={tmp_path / 'sweep'}",
            f"cache_dir={tmp_path / 'cache'}", "model.tiny.warm_start_steps=0", "data.train_batch_size=4", "sampler.n=4",
            "data.num_eval=16", "trainer.total_steps=1", "trainer.checkpoint_final=false", "trainer.export=false",
-           "algorithm.lr=1e-5,1e-4"]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+           "algorithm.lr=1e-5,1e-4", "sampler.n=4,0"]  # sampler.n=0 is invalid: two of the four trials fail
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode != 0 and "2 trial(s) of the sweep failed (2, 3)" in result.stderr, result.stderr[-4000:]
     summary = (tmp_path / "sweep" / "summary.md").read_text()
-    assert "| algorithm.lr=1e-05 |" in summary and "| algorithm.lr=0.0001 |" in summary  # as Hydra writes them
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    finished = [r for r in rows if "->" in r]
+    assert len(finished) == 2 and all("sampler.n=4" in r for r in finished)
+    assert "| sampler.n=4 algorithm.lr=1e-05 |" in summary  # as Hydra writes them
+    failed = [r for r in rows if "failed: ValueError: sampler.n=0" in r]
+    assert len(failed) == 2 and all("sampler.n=0" in r for r in failed)
     assert summary in result.stdout
