@@ -19,15 +19,14 @@ ratios to the 1-thread run measured in the same invocation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from record import write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -75,14 +74,15 @@ def reference_config(model: Path, data: Path, threads: int) -> RunConfig:
     return cfg
 
 
-def measure(cfg: RunConfig, model: Path, steps: int, warmup: int) -> dict:
+def measure(cfg: RunConfig, model: Path, run_dir: Path, steps: int, warmup: int) -> dict:
+    """The steps' figures; `run_dir` takes the actors' logs and placement.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
     controller.validate(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model)
     examples = load_examples(cfg.data.train_files, tokenizer, cfg.data)
     grader = Grader(cfg.reward)
-    run_dir = Path(tempfile.mkdtemp(prefix="grpo_step-"))
     workers = start_workers(cfg, model, run_dir, "cpu")
     layout = workers.reservation.plan.layout
     rows = []
@@ -129,7 +129,8 @@ def main() -> None:
         model, data = build_workload(Path(tmp))
         base = reference_config(model, data, args.threads[0])
         controller.start_ray(base)
-        runs = [measure(reference_config(model, data, t), model, args.steps, args.warmup) for t in args.threads]
+        runs = [measure(reference_config(model, data, t), model, Path(tmp) / f"run-{t}-threads", args.steps,
+                        args.warmup) for t in args.threads]
     for run in runs:
         run["step_s_vs_first"] = run["step_s"] / runs[0]["step_s"]
         print(f"{run['threads']} thread(s): {run['step_s']:.3f} s/step (generate {run['generate_s']:.3f}, reward "
@@ -137,13 +138,9 @@ def main() -> None:
               f"{run['gen_tokens_per_s']:,.0f} generated tokens/s, {run['train_tokens_per_s']:,.0f} trained tokens/s; "
               f"peak RSS trainer {run['trainer_peak_rss_mb']:.0f} MiB, sampler {run['sampler_peak_rss_mb']:.0f} MiB; "
               f"{run['step_s_vs_first']:.2f} x the {runs[0]['threads']}-thread step time")
-    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "steps": args.steps, "warmup": args.warmup, "driver_peak_rss_mb": peak_rss_mb(), "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"load average {load_before[0]:.2f} -> {record['load_average_after'][0]:.2f}; driver peak RSS "
-          f"{record['driver_peak_rss_mb']:.0f} MiB; wrote {args.out}")
+    record = write_record(args.out, load_before, steps=args.steps, warmup=args.warmup,
+                          driver_peak_rss_mb=peak_rss_mb(), runs=runs)
+    print(f"driver peak RSS {record['driver_peak_rss_mb']:.0f} MiB")
 
 
 if __name__ == "__main__":

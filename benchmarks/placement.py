@@ -19,13 +19,12 @@ generation of a batch between two processes on this machine's two cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from record import write_record  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import REPO, build_workload, measure, reference_config  # noqa: E402
@@ -50,7 +49,8 @@ def main() -> None:
             cfg = reference_config(model, data, threads=1)
             cfg.placement, cfg.sampler.num_engines = layout, engines
             controller.start_ray(cfg)
-            runs.append({**measure(cfg, model, args.steps, args.warmup), "load_average": os.getloadavg()})
+            run_dir = Path(tmp) / f"run-{layout}-{engines}"
+            runs.append({**measure(cfg, model, run_dir, args.steps, args.warmup), "load_average": os.getloadavg()})
     baselines = [r for r in runs if (r["layout"], r["engines"]) == VARIANTS[0]]
     base_step = sum(r["step_s"] for r in baselines) / len(baselines)
     base_generate = sum(r["generate_s"] for r in baselines) / len(baselines)
@@ -62,12 +62,7 @@ def main() -> None:
               f"{run['generate_s_vs_baseline']:.2f} x; train {run['train_s']:.3f}, sync {run['sync_s']:.3f}); "
               f"{run['gen_tokens_per_s']:,.0f} generated tokens/s; sampler peak RSS {run['sampler_peak_rss_mb']:.0f} MiB; "
               f"load average {run['load_average'][0]:.2f}")
-    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "steps": args.steps, "warmup": args.warmup, "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"load average {load_before[0]:.2f} -> {record['load_average_after'][0]:.2f}; wrote {args.out}")
+    write_record(args.out, load_before, steps=args.steps, warmup=args.warmup, runs=runs)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from record import write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -125,9 +126,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "real_size.json")
     args = parser.parse_args()
     # Inherited by the local Ray cluster's workers: glibc's per-thread malloc arenas hold on to freed
-    # memory, and 24 GB leave ~1 GB to spare at world size 2, under Ray's default 95% kill threshold.
+    # memory, and 24 GB leave ~1 GB to spare at world size 2. (Raising RAY_memory_usage_threshold here
+    # was tried and did not move Ray's 95% kill point.)
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
-    os.environ.setdefault("RAY_memory_usage_threshold", "0.98")
     load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,13 +147,8 @@ def main() -> None:
               f"per trainer rank {[round(mb) for mb in run['trainer_rank_peak_rss_mb']]} MiB "
               f"({run['largest_rank_rss_vs_first']:.2f} x world size {base['world_size']}), sampler "
               f"{run['sampler_peak_rss_mb']:.0f} MiB; logprob gap {run['logprob_diff']:.2e}")
-    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "load_average_before": load_before, "load_average_after": os.getloadavg(), "args": vars(args) | {
-                  "gsm8k": str(args.gsm8k), "out": str(args.out)},
-              "driver_peak_rss_mb": peak_rss_mb(), "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"load average {load_before[0]:.2f} -> {record['load_average_after'][0]:.2f}; wrote {args.out}")
+    write_record(args.out, load_before, args=vars(args) | {"gsm8k": str(args.gsm8k), "out": str(args.out)},
+                 driver_peak_rss_mb=peak_rss_mb(), runs=runs)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from record import write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -82,12 +83,7 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = [measure("gsm8k", gsm8k.compute_score, gsm8k_samples(args.gsm8k, args.batch), args.repeats),
             measure("math", math_reward.compute_score, math_samples(args.batch), args.repeats)]
-    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "load_average_before": load_before, "load_average_after": os.getloadavg(), "repeats": args.repeats,
-              "results": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"load average {load_before[0]:.2f} -> {record['load_average_after'][0]:.2f}; wrote {args.out}")
+    write_record(args.out, load_before, repeats=args.repeats, results=rows)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ project keeps its own transports.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +29,8 @@ from pathlib import Path
 
 import ray
 import torch
+
+from record import write_record  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl_tpu import sync  # noqa: E402
@@ -175,13 +175,9 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
         results = {m: measure(m, args.transports, args.repeats, args.bucket_mb, shm_dir) for m in args.models}
-    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "load_average_before": load_before, "load_average_after": os.getloadavg(), "repeats": args.repeats,
-              "bucket_mb": args.bucket_mb, "models": results}
     ray.shutdown()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"load average {load_before[0]:.2f} -> {record['load_average_after'][0]:.2f}; median of {args.repeats}")
+    write_record(args.out, load_before, repeats=args.repeats, bucket_mb=args.bucket_mb, models=results)
+    print(f"median of {args.repeats}")
     print(f"{'model':16} {'transport':13} {'MB':>8} {'seconds':>8} {'MB/s':>8} {'vs copy':>8}")
     for model, r in results.items():
         for name in ["floor", *args.transports]:

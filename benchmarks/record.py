@@ -1,0 +1,20 @@
+"""The results file every benchmark writes: when, on what machine, the load average around the run, the figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+
+def write_record(out: str | Path, load_before: tuple[float, float, float], **figures) -> dict:
+    """Write `figures` with the date, the machine and the load average before and now to `out`, and say so."""
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "load_average_before": load_before, "load_average_after": os.getloadavg(), **figures}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"load average {load_before[0]:.2f} -> {record['load_average_after'][0]:.2f}; wrote {out}")
+    return record
