@@ -17,6 +17,11 @@ from pathlib import Path
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def actor_name(role: str, index: int) -> str:
+    """`trainer_0`, `sampler_1`: how the driver's messages, the log files and placement.json name an actor."""
+    return f"{role}_{index}"
+
+
 def log_path(log_dir: str | Path, actor: str) -> Path:
     return Path(log_dir) / f"{actor}.log"
 

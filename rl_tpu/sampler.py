@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from rl_tpu.actor_logs import send_output_to_file
+from rl_tpu.actor_logs import actor_name, send_output_to_file
 from rl_tpu.metrics import peak_rss_mb
 from rl_tpu.placement import require_model_on_node, where_am_i
 from rl_tpu.rollout import Rollout
@@ -55,7 +55,7 @@ class EngineOptions:
 class Sampler:
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gb: float | None, seed: int,
                  options: EngineOptions = EngineOptions()):
-        self.name = f"sampler_{options.index}"
+        self.name = actor_name("sampler", options.index)
         send_output_to_file(options.log_dir, self.name)
         require_model_on_node(self.name, model_path)
         for key, value in SAMPLER_ENV.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rl_tpu.actor_logs import actor_name
 from rl_tpu.rollout import Rollout
 from rl_tpu.sampler import SamplingSettings
 from rl_tpu.sync import WeightBundle
@@ -58,7 +59,7 @@ class SamplerPool:
 
     @property
     def names(self) -> list[str]:
-        return [f"sampler_{i}" for i in range(len(self.engines))]
+        return [actor_name("sampler", i) for i in range(len(self.engines))]
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings,
                  seeds: list[int] | None = None) -> PendingRollouts:

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rl_tpu import algorithms, placement, sync
-from rl_tpu.actor_logs import send_output_to_file
+from rl_tpu.actor_logs import actor_name, send_output_to_file
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.device import Device
 from rl_tpu.logprobs import pad_batch, token_logprobs
@@ -55,7 +55,7 @@ class TrainerWorker:
     def __init__(self, cfg: RunConfig, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  log_dir: str | None = None):
         """`master_addr:master_port` is on rank 0's node; `cfg.device` is resolved on this actor's own node."""
-        self.name = f"trainer_{rank}"
+        self.name = actor_name("trainer", rank)
         send_output_to_file(log_dir, self.name)
         placement.require_model_on_node(self.name, model_path)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),

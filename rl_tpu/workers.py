@@ -19,6 +19,7 @@ from pathlib import Path
 import ray
 
 from rl_tpu import placement
+from rl_tpu.actor_logs import actor_name
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.rollout import TrainBatch
 from rl_tpu.sampler import EngineOptions, launch_sampler
@@ -41,9 +42,17 @@ class Workers:
     cfg: RunConfig
     log_dir: str
 
+    @property
+    def trainer_names(self) -> list[str]:
+        return [actor_name("trainer", rank) for rank in range(len(self.trainers))]
+
+    def actors(self) -> list[tuple[str, object]]:
+        """(name, handle) of every trainer rank, then every engine."""
+        return [*zip(self.trainer_names, self.trainers), *zip(self.samplers.names, self.samplers.engines)]
+
     def on_trainers(self, method: str, what: str, *args, timeout_s: float | None = None) -> list:
         """The same call on every rank (they are collective), waited for together."""
-        calls = [(f"trainer_{rank}", getattr(t, method).remote(*args)) for rank, t in enumerate(self.trainers)]
+        calls = [(name, getattr(t, method).remote(*args)) for name, t in zip(self.trainer_names, self.trainers)]
         return gather(calls, what, timeout_s or self.cfg.ray.call_timeout_s, self.log_dir)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
@@ -66,13 +75,11 @@ class Workers:
             self.samplers.call("sleep", "putting the engines to sleep", self.cfg.ray.call_timeout_s)
 
     def locations(self) -> list[dict]:
-        calls = [(f"trainer_{rank}", t.where.remote()) for rank, t in enumerate(self.trainers)]
-        calls += [(name, engine.where.remote()) for name, engine in zip(self.samplers.names, self.samplers.engines)]
+        calls = [(name, actor.where.remote()) for name, actor in self.actors()]
         return gather(calls, "reporting locations", self.cfg.ray.start_timeout_s, self.log_dir)
 
     def shutdown(self) -> None:
-        for name, handle in [*zip(self.samplers.names, self.samplers.engines),
-                             *((f"trainer_{r}", t) for r, t in enumerate(self.trainers))]:
+        for name, handle in reversed(self.actors()):  # engines first, as before the trainer ranks
             try:
                 ray.get(handle.shutdown.remote(), timeout=60)
             except Exception as err:  # a dead actor has nothing left to release
@@ -94,8 +101,7 @@ def start_workers(cfg: RunConfig, model_path: Path, run_dir: Path, kind: str,
         _start_trainers(workers, actor_cfg, model_path, log_dir)
         _start_engines(workers, actor_cfg, model_path, log_dir)
         # start-up errors (a bad model folder, a missing device) surface here, named, not at the first step
-        gather([(f"trainer_{r}", t.__ray_ready__.remote()) for r, t in enumerate(workers.trainers)]
-               + [(n, e.serving_version.remote()) for n, e in zip(workers.samplers.names, workers.samplers.engines)],
+        gather([(name, actor.__ray_ready__.remote()) for name, actor in workers.actors()],
                "starting the actors", cfg.ray.start_timeout_s, log_dir)
         if value_of(cfg.sync.transport) == "tpu_sync":
             workers.on_trainers("connect_tpu_sync", "tpu_sync handshake", workers.samplers.engines,
@@ -147,11 +153,11 @@ def check_transport_reach(cfg: RunConfig, reservation: placement.Reservation) ->
 def check_shared_run_dir(workers: Workers, run_dir: Path) -> None:
     """Checkpoints, the export and actor logs go to the run folder: a marker rank 0 writes must be seen by all."""
     marker = run_dir / f".shared-check-{uuid.uuid4().hex[:8]}"
-    gather([("trainer_0", workers.trainers[0].touch.remote(str(marker)))], "writing the shared-storage marker", 60,
-           workers.log_dir)
+    gather([(workers.trainer_names[0], workers.trainers[0].touch.remote(str(marker)))],
+           "writing the shared-storage marker", 60, workers.log_dir)
     try:
         seen = workers.on_trainers("sees", "checking the shared-storage marker", str(marker), timeout_s=60)
-        blind = [f"trainer_{rank}" for rank, ok in enumerate(seen) if not ok] + ([] if marker.exists() else ["the driver"])
+        blind = [name for name, ok in zip(workers.trainer_names, seen) if not ok] + ([] if marker.exists() else ["the driver"])
     finally:
         marker.unlink(missing_ok=True)
     if blind:
