@@ -47,6 +47,19 @@ def latest(path: Path) -> Path:
     return found[-1]
 
 
+def resume_point(run_dir: Path, this_run: bool, resume_from: str | None) -> Path | None:
+    """Where a run continues: with `this_run`, the run folder's newest complete checkpoint if it has one
+    (`trainer.resume=auto`, or a restart), else `resume_from`'s newest; None: from the start."""
+    if this_run and complete(run_dir):
+        return complete(run_dir)[-1]
+    return latest(Path(resume_from).expanduser()) if resume_from else None
+
+
+def every(checkpoint_every: int | None, total_steps: int) -> int:
+    """Steps between checkpoints: as set, or by default every 10% of the run (0: none during the run)."""
+    return max(1, total_steps // 10) if checkpoint_every is None else checkpoint_every
+
+
 def prune(run_dir: Path, keep_last: int) -> None:
     """After a save: drop interrupted saves (`.partial` and other stray folders) and all but the newest `keep_last`."""
     keep = set(complete(run_dir)[-keep_last:] if keep_last > 0 else complete(run_dir))

@@ -38,6 +38,11 @@ class DType(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class ResumeMode(str, Enum):
+    off = "off"  # start at step 0 (or at trainer.resume_from)
+    auto = "auto"  # continue from the run folder's newest complete checkpoint, if it has one
+
+
 class LossAggMode(str, Enum):
     token_mean = "token-mean"
     token_sum = "token-sum"
@@ -109,6 +114,9 @@ class SamplerConfig:
     num_engines: int = 1  # vLLM engines (Ray actors); each receives every weight version and a share of each batch
     # place engines only on Ray nodes with these labels (`ray start --labels=role=sampler`); {}: anywhere
     node_labels: dict[str, str] = field(default_factory=dict)
+    # a lost engine is restarted by Ray this many times, given the served weights, and its prompts are generated
+    # again (object_store and shm_file transports; with collective the whole run restarts, trainer.max_restarts)
+    max_restarts: int = 2
 
 
 @dataclass
@@ -156,11 +164,16 @@ class TrainerConfig:
     max_staleness: int = 0
     eval_every: int = 10
     export: bool = True  # write the final policy as a Hugging Face folder
-    checkpoint_every: int = 0  # steps between resumable checkpoints (0: none during the run)
+    # steps between resumable checkpoints; None: every 10% of total_steps (bounds lost work); 0: none during the run
+    checkpoint_every: Optional[int] = None
     checkpoint_final: bool = True  # a resumable checkpoint after the last step
     keep_last: int = 3  # complete checkpoints kept (older ones are removed after each save); 0: keep all
     max_skipped_steps: int = 3  # this many updates skipped in a row (non-finite loss or gradient) stop the run
     resume_from: Optional[str] = None  # a run folder (its latest checkpoint) or a checkpoints/step_N folder
+    resume: ResumeMode = ResumeMode.off  # auto: continue this run folder (hydra.run.dir=...) where it stopped
+    # a lost trainer rank (or an engine that cannot rejoin alone): every actor restarts from the last checkpoint,
+    # this many times in one run; past that the run stops with the command that resumes it
+    max_restarts: int = 1
 
 
 class SyncTransport(str, Enum):
@@ -198,6 +211,11 @@ class RewardConfig:
     num_workers: Optional[int] = None  # reward worker processes; None: min(4, cores)
     timeout_s: float = 10.0  # per sample; a sample past it scores 0 and its worker is replaced
     max_failure_rate: float = 0.1  # stop the run when a larger fraction of one batch fails to score
+    # Reward code runs as trusted code, but bounded: each worker's address space (RLIMIT_AS; a sample that
+    # allocates past it fails) and CPU seconds per sample (RLIMIT_CPU); null: no limit
+    worker_memory_mb: Optional[int] = 4096
+    # environment variables a worker keeps (besides PATH, HOME, locale and temp-dir ones); secrets stay out
+    pass_env: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -18,7 +18,9 @@ import statistics
 import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -29,7 +31,7 @@ from rl_tpu.device import Device
 from rl_tpu.grader import Grader, Grades, Sample, reward_sources
 from rl_tpu.metrics import MetricsLogger, final_accuracy
 from rl_tpu.models import check_decoder, resolve_model_path
-from rl_tpu.recovery import SkippedStepGuard
+from rl_tpu.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
 from rl_tpu.rollout import Rollout, TrainBatch
 from rl_tpu.sampler import SamplingSettings
 from rl_tpu.sampler_pool import PendingRollouts
@@ -48,14 +50,17 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"trainer.eval_every={t.eval_every}, trainer.micro_batch_size={t.micro_batch_size}, "
                          f"trainer.total_steps={t.total_steps} and data.train_batch_size={cfg.data.train_batch_size} "
                          "must each be at least 1")
-    if t.keep_last < 0 or t.checkpoint_every < 0:
-        raise ValueError(f"trainer.keep_last={t.keep_last} and trainer.checkpoint_every={t.checkpoint_every} must be "
-                         ">= 0 (0: keep every checkpoint / none during the run)")
+    counts = {"trainer.keep_last": t.keep_last, "trainer.checkpoint_every": t.checkpoint_every or 0,
+              "trainer.max_restarts": t.max_restarts, "sampler.max_restarts": cfg.sampler.max_restarts}
+    if min(counts.values()) < 0:
+        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in counts.items())} must each be >= 0 (keep_last 0: keep "
+                         "every checkpoint; checkpoint_every 0: none during the run; max_restarts 0: no restarts)")
     if t.resume_from:
         checkpoints.latest(Path(t.resume_from).expanduser())  # names the folder if there is nothing to resume
-    if not 0.0 <= cfg.reward.max_failure_rate <= 1.0 or cfg.reward.timeout_s <= 0:
-        raise ValueError(f"reward.max_failure_rate={cfg.reward.max_failure_rate} must be in [0, 1] and "
-                         f"reward.timeout_s={cfg.reward.timeout_s} > 0")
+    r = cfg.reward
+    if not 0.0 <= r.max_failure_rate <= 1.0 or r.timeout_s <= 0 or (r.worker_memory_mb or 1) <= 0:
+        raise ValueError(f"reward.max_failure_rate={r.max_failure_rate} must be in [0, 1], reward.timeout_s="
+                         f"{r.timeout_s} > 0 and reward.worker_memory_mb={r.worker_memory_mb} > 0 (null: no limit)")
     if cfg.trainer.world_size < 1 or cfg.trainer.logprob_chunk_size < 1:
         raise ValueError(f"trainer.world_size={cfg.trainer.world_size} and trainer.logprob_chunk_size="
                          f"{cfg.trainer.logprob_chunk_size} must be at least 1")
@@ -141,6 +146,7 @@ def grpo_step(step: int, prompts: list[Example], pending: PendingRollouts, worke
         "reward/mean": statistics.fmean(grades.scores),
         "reward/std": statistics.pstdev(grades.scores),
         **grades.metrics("reward"),
+        "rollout/samples": float(len(rollouts)),
         "response/length_mean": gen_tokens / len(rollouts),
         "response/truncated_frac": statistics.fmean(r.finish_reason == "length" for r in rollouts),
         **train,
@@ -195,23 +201,93 @@ def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
     return ensure_arithmetic_dataset(cache_dir / "data", d.ops, d.max_operand, d.num_eval, d.seed)
 
 
-def save_checkpoint(workers: Workers, run_dir: Path, step: int, keep_last: int) -> Path:
-    folder = checkpoints.folder_for(run_dir, step)
+@dataclass
+class Job:
+    """What every attempt of a run shares: its settings, its inputs, and the outputs it continues."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model_path: Path
+    kind: str  # the device kind the actors run on
+    tokenizer: Any
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    grader: Grader
+    logger: MetricsLogger
+    stop: StopRequest
+
+
+def save_checkpoint(job: Job, workers: Workers, step: int) -> Path:
+    folder = checkpoints.folder_for(job.run_dir, step)
     workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder))
-    checkpoints.prune(run_dir, keep_last)
+    checkpoints.prune(job.run_dir, job.cfg.trainer.keep_last)
     return folder
 
 
-def resume(cfg: RunConfig, workers: Workers) -> int:
-    """Load the trainer state and give the sampler the same weights; returns the step to continue after."""
-    if not cfg.trainer.resume_from:
+def resume(job: Job, workers: Workers, restarted: bool) -> int:
+    """Load the trainer state and give the sampler the same weights; returns the step to continue after.
+
+    `trainer.resume=auto` and a restart continue this run folder (its metrics too); `trainer.resume_from`
+    starts a new folder from another run's checkpoint.
+    """
+    t = job.cfg.trainer
+    checkpoint = checkpoints.resume_point(job.run_dir, restarted or value_of(t.resume) == "auto", t.resume_from)
+    if checkpoint is None:
+        job.logger.truncate_after(None)
         return 0
-    checkpoint = checkpoints.latest(Path(cfg.trainer.resume_from).expanduser())
     step = checkpoints.step_of(checkpoint)
     workers.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
     workers.install(workers.publish(step))
+    job.logger.truncate_after(step if checkpoint.is_relative_to(job.run_dir) else None)
     log.info("resumed from %s at step %d", checkpoint, step)
     return step
+
+
+def stop_early(job: Job, workers: Workers, step: int, saved: int) -> None:
+    """A signal asked the run to stop: save after `step` unless that is saved already, and stop."""
+    checkpoint = checkpoints.folder_for(job.run_dir, saved) if saved else None
+    if step > saved:
+        checkpoint = save_checkpoint(job, workers, step)
+    raise RunInterrupted(step, job.stop.requested, checkpoint)
+
+
+def train(job: Job, restarted: bool) -> None:
+    """One attempt at the run: start the actors, continue from the resume point, run the remaining steps."""
+    cfg, logger = job.cfg, job.logger
+    total, timeout, max_tokens = cfg.trainer.total_steps, cfg.ray.call_timeout_s, cfg.sampler.response_length
+    checkpoint_every = checkpoints.every(cfg.trainer.checkpoint_every, total)
+    workers = start_workers(cfg, job.model_path, job.run_dir, job.kind)
+    try:
+        start_step = resume(job, workers, restarted)
+        if not logger.records:  # a run continuing its own folder has its evaluation at start_step already
+            first = finish_eval(generate_eval(workers, job.eval_examples, max_tokens), job.eval_examples,
+                                job.tokenizer, job.grader, timeout)
+            logger.log(start_step, {**first, "sync/version": float(start_step)})
+        prompt_batches = batches(job.train_examples, cfg.data.train_batch_size, cfg.data.seed)
+        for _ in range(start_step):  # the same batches a run that never stopped would see next
+            next(prompt_batches)
+        queue = RolloutQueue(workers, prompt_batches, cfg, first_step=start_step + 1)
+        guard, saved = SkippedStepGuard(cfg.trainer.max_skipped_steps), start_step
+        for step in range(start_step + 1, total + 1):
+            if job.stop.requested:
+                stop_early(job, workers, step - 1, saved)
+            prompts, pending = queue.pop(step)
+            metrics = grpo_step(step, prompts, pending, workers, job.tokenizer, job.grader, cfg)
+            guard.observe(step, metrics, prompts)
+            pending_eval = None
+            if step % cfg.trainer.eval_every == 0 or step == total:
+                pending_eval = generate_eval(workers, job.eval_examples, max_tokens)
+            queue.fill_through(step + 1)  # behind the evaluation on the sampler: this step's weights or older
+            if pending_eval is not None:
+                metrics.update(finish_eval(pending_eval, job.eval_examples, job.tokenizer, job.grader, timeout))
+            logger.log(step, metrics)
+            if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
+                save_checkpoint(job, workers, step)
+                saved = step
+        if cfg.trainer.export:
+            workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
+    finally:
+        workers.shutdown()
 
 
 def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]) -> None:
@@ -240,7 +316,10 @@ def load_datasets(cfg: RunConfig, cache_dir: Path, tokenizer) -> tuple[list[Exam
 
 
 def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, float]:
-    """Train as configured, writing metrics and the export into `run_dir`; returns the summary."""
+    """Train as configured, writing metrics and the export into `run_dir`; returns the summary.
+
+    Raises `RunInterrupted` when SIGTERM or SIGINT stopped it early (after saving a checkpoint).
+    """
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
@@ -251,49 +330,22 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
     check_inputs(cfg, model_path, train_examples)
     grader = Grader(cfg.reward, cfg.custom_reward_function)
-    start_ray(cfg)
-    kind = placement.device_kind(cfg.device, ray.cluster_resources())
-    if value_of(cfg.sync.transport) == "tpu_sync" and kind != "tpu":
-        raise ValueError(f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {kind}: "
-                         "use object_store, shm_file or collective")
-    log.info("model %s, %d train / %d eval prompts, reward %s, device %s", model_path, len(train_examples),
-             len(eval_examples), grader.describe(), kind)
-    workers = start_workers(cfg, model_path, run_dir, kind)
-    total = cfg.trainer.total_steps
-    logger = MetricsLogger(run_dir, total, show_progress=show_progress)
-    evals: list[float] = []
-    max_tokens, timeout = cfg.sampler.response_length, cfg.ray.call_timeout_s
+    logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress=show_progress)
     try:
-        start_step = resume(cfg, workers)
-        first = finish_eval(generate_eval(workers, eval_examples, max_tokens), eval_examples, tokenizer, grader, timeout)
-        evals.append(first["eval/accuracy"])
-        logger.log(start_step, {**first, "sync/version": float(start_step)})
-        prompt_batches = batches(train_examples, cfg.data.train_batch_size, cfg.data.seed)
-        for _ in range(start_step):  # the same batches a run that never stopped would see next
-            next(prompt_batches)
-        queue = RolloutQueue(workers, prompt_batches, cfg, first_step=start_step + 1)
-        guard = SkippedStepGuard(cfg.trainer.max_skipped_steps)
-        for step in range(start_step + 1, total + 1):
-            prompts, pending = queue.pop(step)
-            metrics = grpo_step(step, prompts, pending, workers, tokenizer, grader, cfg)
-            guard.observe(step, metrics, prompts)
-            pending_eval = None
-            if step % cfg.trainer.eval_every == 0 or step == total:
-                pending_eval = generate_eval(workers, eval_examples, max_tokens)
-            queue.fill_through(step + 1)  # behind the evaluation on the sampler: this step's weights or older
-            if pending_eval is not None:
-                metrics.update(finish_eval(pending_eval, eval_examples, tokenizer, grader, timeout))
-                evals.append(metrics["eval/accuracy"])
-            logger.log(step, metrics)
-            every = cfg.trainer.checkpoint_every
-            if (every and step % every == 0) or (step == total and cfg.trainer.checkpoint_final):
-                save_checkpoint(workers, run_dir, step, cfg.trainer.keep_last)
-        if cfg.trainer.export:
-            workers.on_trainers("export", "exporting the policy", str(run_dir / "export"))
+        start_ray(cfg)  # before the signal handlers: ray.init installs a SIGTERM handler of its own
+        kind = placement.device_kind(cfg.device, ray.cluster_resources())
+        if value_of(cfg.sync.transport) == "tpu_sync" and kind != "tpu":
+            raise ValueError(f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {kind}: "
+                             "use object_store, shm_file or collective")
+        log.info("model %s, %d train / %d eval prompts, reward %s, device %s", model_path, len(train_examples),
+                 len(eval_examples), grader.describe(), kind)
+        with StopRequest() as stop:
+            job = Job(cfg, run_dir, model_path, kind, tokenizer, train_examples, eval_examples, grader, logger, stop)
+            with_restarts(lambda restarts: train(job, restarted=restarts > 0), cfg.trainer.max_restarts)
     finally:
         logger.close()
-        workers.shutdown()
         grader.close()
+    evals = logger.evals()
     summary = {
         "eval/accuracy_start": evals[0],
         "eval/accuracy_final": final_accuracy(evals),

@@ -28,13 +28,22 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from rl_tpu.config import CustomRewardConfig, RewardConfig
-from rl_tpu.grader_worker import RewardSource, Sample
+from rl_tpu.grader_worker import RewardSource, Sample, WorkerLimits
 from rewards import BUILTIN_REWARDS
 
 log = logging.getLogger(__name__)
 
-CUSTOM = "custom"
-WORKER_START_TIMEOUT_S = 120  # the key of the plugin in reward.combine and in metrics
+CUSTOM = "custom"  # the key of the plugin in reward.combine and in metrics
+WORKER_START_TIMEOUT_S = 120
+# What a reward worker keeps of this process's environment without reward.pass_env: enough to run
+# Python and find temporary storage, and nothing that usually holds a secret (tokens, keys, passwords).
+BASE_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONHASHSEED")
+
+
+def worker_environment(pass_env: list[str]) -> dict[str, str]:
+    kept = {name: os.environ[name] for name in (*BASE_ENV, *pass_env) if name in os.environ}
+    # the workers import what this process imports (rewards/, the plugin's own imports)
+    return {**kept, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
 
 
 class RewardError(RuntimeError):
@@ -125,6 +134,9 @@ class Grader:
         self.locations = {s.label: f"{s.path or s.module}:{s.function}" for s in self.sources}
         self.timeout_s = reward.timeout_s
         self.max_failure_rate = reward.max_failure_rate
+        # the CPU budget matches the wall-clock one: a busy loop is stopped even if this process stalls
+        self.limits = WorkerLimits(reward.worker_memory_mb, math.ceil(reward.timeout_s) + 1)
+        self.env = worker_environment(reward.pass_env)
         count = reward.num_workers or min(4, os.cpu_count() or 1)
         self.workers = [self._spawn() for _ in range(count)]
         self.batched = self.workers[0].batched
@@ -157,14 +169,12 @@ class Grader:
     def _spawn(self) -> _Worker:
         from_parent, to_child = os.pipe()
         from_child, to_parent = os.pipe()
-        # the workers import what this process imports (rewards/, the plugin's own imports)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
         process = subprocess.Popen([sys.executable, "-m", "rl_tpu.grader_worker", str(from_parent), str(to_parent)],
-                                   pass_fds=(from_parent, to_parent), env=env, stdin=subprocess.DEVNULL)
+                                   pass_fds=(from_parent, to_parent), env=self.env, stdin=subprocess.DEVNULL)
         os.close(from_parent)
         os.close(to_parent)
         inbox, outbox = Connection(from_child, writable=False), Connection(to_child, readable=False)
-        outbox.send(self.sources)
+        outbox.send((self.sources, self.limits))
         try:
             if not inbox.poll(WORKER_START_TIMEOUT_S):
                 process.kill()

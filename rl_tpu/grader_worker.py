@@ -5,7 +5,11 @@ speaks `multiprocessing.connection` messages over two pipes (plugins may print f
 stdout). Every outcome a plugin can produce is turned into a message here: a score, or a
 failure with the plugin's traceback. Timeouts and crashes are the grader's to see.
 
-Protocol: receive ``list[RewardSource]``; send ``("ready", batched)`` or ``("load_error",
+Before loading anything the worker bounds itself (`WorkerLimits`): its address space, so a
+sample that allocates without bound fails with MemoryError instead of taking the host down,
+and the CPU seconds of each job (SIGXCPU ends the worker, which the grader sees as a crash).
+
+Protocol: receive ``(list[RewardSource], WorkerLimits)``; send ``("ready", batched)`` or ``("load_error",
 traceback)``. Then, per job ``(positions, samples)``, send ``[(position, outcome), ...]``: one
 message per sample, or one for the whole job when a function is batched.
 """
@@ -17,6 +21,8 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
+import resource
 import sys
 import traceback
 from dataclasses import dataclass
@@ -39,6 +45,29 @@ class RewardSource:
     weight: float = 1.0
     kwargs: tuple[tuple[str, Any], ...] = ()
     batched: bool | None = None  # None: batched iff the signature takes `solution_strs` (verl's batch form)
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    memory_mb: int | None = None  # RLIMIT_AS of the worker process; None: unlimited
+    cpu_s_per_sample: float | None = None  # RLIMIT_CPU budget of each job, per sample in it; None: unlimited
+
+
+def limit_memory(memory_mb: int | None) -> None:
+    if memory_mb is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
+
+
+def limit_cpu(per_sample_s: float | None, samples: int) -> None:
+    """From now, at most `per_sample_s * samples` more CPU seconds (the soft limit moves with each job)."""
+    if per_sample_s is None:
+        return
+    seconds = per_sample_s * samples
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    used = usage.ru_utime + usage.ru_stime
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    soft = math.ceil(used + seconds)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 @dataclass(frozen=True)
@@ -81,19 +110,30 @@ class InvalidResult(ValueError):
     """A reward returned something that is not a score."""
 
 
+def as_number(value: Any) -> float | None:
+    """A real number as verl takes one (int, float, bool, a NumPy scalar, a one-element array or tensor), else None."""
+    if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)):
+        try:
+            value = value.item()  # NumPy and torch scalars; raises for more than one element
+        except (ValueError, RuntimeError):
+            return None
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
 def _score_value(label: str, result: Any) -> tuple[float, dict[str, float]]:
     """The score of one result (a number, or verl's dict with a `score` key) and its numeric extras."""
     extras: dict[str, float] = {}
     if isinstance(result, dict):
         if "score" not in result:
             raise InvalidResult(f"reward {label} returned a dict without a 'score' key: keys {sorted(result)}")
-        extras = {f"{label}/{k}": float(v) for k, v in result.items()
-                  if k != "score" and isinstance(v, (int, float)) and math.isfinite(float(v))}
+        fields = {k: as_number(v) for k, v in result.items() if k != "score"}
+        extras = {f"{label}/{k}": v for k, v in fields.items() if v is not None and math.isfinite(v)}
         result = result["score"]
-    if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(float(result)):
+    score = as_number(result)
+    if score is None or not math.isfinite(score):
         raise InvalidResult(f"reward {label} returned {result!r}; a reward must be a finite number "
                             "(or a dict with one under 'score')")
-    return float(result), extras
+    return score, extras
 
 
 def _failure(label: str, err: BaseException) -> Outcome:
@@ -153,7 +193,8 @@ def score_batch(functions: list[RewardFunction], samples: list[Sample], loop) ->
 
 
 def serve(inbox: Connection, outbox: Connection) -> None:
-    sources: list[RewardSource] = inbox.recv()
+    sources, limits = inbox.recv()
+    limit_memory(limits.memory_mb)
     try:
         functions = [RewardFunction(source) for source in sources]
     except Exception:
@@ -167,6 +208,7 @@ def serve(inbox: Connection, outbox: Connection) -> None:
             positions, samples = inbox.recv()
         except EOFError:  # the grader closed its end: shut down
             return
+        limit_cpu(limits.cpu_s_per_sample, len(samples))
         if batched:
             outbox.send(list(zip(positions, score_batch(functions, samples, loop))))
         else:

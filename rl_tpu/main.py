@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shlex
+import sys
 import traceback
 from pathlib import Path
 
@@ -18,22 +20,36 @@ register_configs()
 log = logging.getLogger("rl_tpu")
 
 
+def resume_command(run_dir: Path) -> str:
+    """The command line that continues this run in its own folder from its newest checkpoint."""
+    kept = [o for o in HydraConfig.get().overrides.task
+            if not o.startswith(("hydra.run.dir=", "trainer.resume=", "trainer.resume_from="))]
+    return shlex.join(["python", "-m", "rl_tpu.main", *kept, f"hydra.run.dir={run_dir}",
+                       "trainer.resume=auto"])
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> float:
-    from rl_tpu import controller
+    from rl_tpu import checkpoints, controller
+    from rl_tpu.recovery import RunInterrupted
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     run_cfg: RunConfig = OmegaConf.to_object(cfg)
-    if HydraConfig.get().mode != RunMode.MULTIRUN:
+    try:
         summary = controller.run(run_cfg, run_dir)
-    else:  # one failed trial must not end the sweep: record it, and the summary lists it as failed
-        try:
-            summary = controller.run(run_cfg, run_dir)
-        except Exception:  # noqa: BLE001  (any failure of a trial, reported in its folder and the summary)
-            log.exception("trial %s failed", run_dir.name)
-            (run_dir / FAILED_FILE).write_text(traceback.format_exc())
-            return float("nan")
+    except RunInterrupted as stopped:  # preemption or Ctrl-C: saved, stop with the shell's status for the signal
+        print(f"{stopped}. Continue with:\n  {resume_command(run_dir)}", flush=True)
+        sys.exit(143 if stopped.signal_name == "SIGTERM" else 130)
+    except Exception:
+        if checkpoints.complete(run_dir):
+            log.error("the run failed; it can continue from its newest checkpoint with:\n  %s", resume_command(run_dir))
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            raise
+        # one failed trial must not end the sweep: record it, and the summary lists it as failed
+        log.exception("trial %s failed", run_dir.name)
+        (run_dir / FAILED_FILE).write_text(traceback.format_exc())
+        return float("nan")
     print(f"held-out accuracy: {100 * summary['eval/accuracy_start']:.1f}% after warm start -> "
           f"{100 * summary['eval/accuracy_final']:.1f}% after GRPO; wall time {summary['time/wall_s']:.0f} s; "
           f"outputs in {run_dir}")

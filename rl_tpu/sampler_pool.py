@@ -4,17 +4,27 @@ Prompts are split into contiguous chunks of nearly equal size, one per engine, a
 come back in prompt order with each rollout's `group` the prompt's index in the whole batch.
 An install reaches every engine (for the collective transport, all engines take part in the
 same broadcast), and every engine must report the same version afterwards.
+
+A lost engine (its process killed or crashed) is brought back in place when the pool has an
+`EngineRecovery`: Ray restarts the actor in its bundle (`max_restarts`), the pool installs the
+weights the other engines serve, and sends the lost call again. A prompt carries its own seed,
+so the replacement draws the same tokens the lost engine would have: no sample is lost.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 from rl_tpu.actor_logs import actor_name
 from rl_tpu.rollout import Rollout
 from rl_tpu.sampler import SamplingSettings
 from rl_tpu.sync import WeightBundle
-from rl_tpu.waiting import gather
+from rl_tpu.waiting import ActorError, gather
+
+log = logging.getLogger(__name__)
 
 
 def split_evenly(count: int, parts: int) -> list[range]:
@@ -28,47 +38,85 @@ def split_evenly(count: int, parts: int) -> list[range]:
     return [r for r in ranges if len(r)]
 
 
+@dataclass(frozen=True)
+class EngineRecovery:
+    """What bringing back a lost engine needs beside Ray's restart of its process."""
+
+    republish: Callable[[int], WeightBundle]  # the trainer's current weights, as version N
+    max_restarts: int  # per engine (Ray's `max_restarts` of the actor)
+    ready_timeout_s: float  # a restarted engine loads its model again
+
+
+@dataclass
+class Chunk:
+    """One engine's share of a generation: what it was asked, and the answer under way."""
+
+    engine: int
+    prompts: range  # indices in the whole batch
+    args: tuple  # the `generate` call's arguments, sent again if the engine is lost
+    ref: object
+    life: int  # the engine's restart count when the call was sent
+    version: int  # the weight version the pool had installed when the call was sent
+
+
+def _older(rollouts: list[Rollout], version: int) -> str | None:
+    """Rollouts from weights older than the engine had been given: Ray restarted it before the call arrived."""
+    oldest = min((r.weight_version for r in rollouts), default=version)
+    return f"it answered with weights v{oldest}, older than v{version}: restarted by Ray" if oldest < version else None
+
+
 @dataclass
 class PendingRollouts:
     """Generations under way on the engines; `result` waits for all of them and merges in prompt order."""
 
     pool: "SamplerPool"
-    chunks: list[tuple[int, range, object]]  # (engine, prompt indices, ObjectRef of its rollouts)
+    chunks: list[Chunk]
 
     def result(self, timeout_s: float) -> list[Rollout]:
-        calls = [(self.pool.names[engine], ref) for engine, _, ref in self.chunks]
+        deadline = time.monotonic() + timeout_s
         rollouts = []
-        for (_, prompts, _), part in zip(self.chunks, gather(calls, "generate", timeout_s, self.pool.log_dir)):
+        for chunk in self.chunks:
+            engine = self.pool.engines[chunk.engine]
+            part = self.pool.wait(chunk.engine, chunk.ref, chunk.life, lambda: engine.generate.remote(*chunk.args),
+                                  "generate", deadline, restarted=lambda part: _older(part, chunk.version))
             for rollout in part:
-                rollout.group += prompts.start
+                rollout.group += chunk.prompts.start
             rollouts.extend(part)
         return rollouts
 
     def shares(self) -> dict[str, float]:
         """Each engine's fraction of the batch's prompts, for the step's metrics."""
-        total = sum(len(prompts) for _, prompts, _ in self.chunks)
+        total = sum(len(chunk.prompts) for chunk in self.chunks)
         shares = {f"sampler/engine_{e}/batch_share": 0.0 for e in range(len(self.pool.engines))}
-        for engine, prompts, _ in self.chunks:
-            shares[f"sampler/engine_{engine}/batch_share"] = len(prompts) / total
+        for chunk in self.chunks:
+            shares[f"sampler/engine_{chunk.engine}/batch_share"] = len(chunk.prompts) / total
         return shares
 
 
+@dataclass
 class SamplerPool:
-    def __init__(self, engines: list, log_dir: str | None = None):
-        self.engines, self.log_dir = engines, log_dir
+    engines: list  # Ray actor handles of `Sampler`, engine order
+    log_dir: str | None = None
+    recovery: EngineRecovery | None = None  # None: a lost engine ends the call with an error
+    version: int = 0  # the weight version every engine serves
+    lives: dict[int, int] = field(default_factory=dict)  # engine -> times it was brought back
 
     @property
     def names(self) -> list[str]:
         return [actor_name("sampler", i) for i in range(len(self.engines))]
+
+    @property
+    def restarts(self) -> int:
+        return sum(self.lives.values())
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings,
                  seeds: list[int] | None = None) -> PendingRollouts:
         """Each engine generates its share; `seeds` (one per prompt) travel with their prompts."""
         chunks = []
         for engine, part in enumerate(split_evenly(len(prompts), len(self.engines))):
-            part_seeds = [seeds[i] for i in part] if seeds is not None else None
-            ref = self.engines[engine].generate.remote([prompts[i] for i in part], settings, part_seeds)
-            chunks.append((engine, part, ref))
+            args = ([prompts[i] for i in part], settings, [seeds[i] for i in part] if seeds is not None else None)
+            ref = self.engines[engine].generate.remote(*args)
+            chunks.append(Chunk(engine, part, args, ref, self.lives.get(engine, 0), self.version))
         return PendingRollouts(self, chunks)
 
     def call(self, method: str, what: str, timeout_s: float, *args) -> list:
@@ -78,10 +126,66 @@ class SamplerPool:
 
     def install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
         """Install in every engine; the first engine's timings and each engine's served version."""
-        received = self.call("install", f"installing weights v{bundle.version}", timeout_s, bundle)
+        what, deadline = f"installing weights v{bundle.version}", time.monotonic() + timeout_s
+        sent = [(engine.install.remote(bundle), self.lives.get(i, 0)) for i, engine in enumerate(self.engines)]
+        received = [self.wait(i, ref, life, lambda: self.engines[i].install.remote(bundle), what, deadline,
+                              reinstall=False) for i, (ref, life) in enumerate(sent)]
         versions = {r["version"] for r in received}
         if versions != {bundle.version}:
             raise RuntimeError(f"after installing v{bundle.version} the engines serve versions "
                                f"{[r['version'] for r in received]}")
+        self.version = bundle.version
         metrics = {f"sampler/engine_{i}/weight_version": float(r["version"]) for i, r in enumerate(received)}
-        return {**received[0], "peak_rss_mb": max(r["peak_rss_mb"] for r in received), **metrics}
+        return {**received[0], "peak_rss_mb": max(r["peak_rss_mb"] for r in received), **metrics,
+                "sampler/restarts": float(self.restarts)}
+
+    def wait(self, engine: int, ref, life: int, send_again: Callable[[], object], what: str, deadline: float,
+             reinstall: bool = True, restarted: Callable[[object], str | None] = lambda answer: None):
+        """The answer of one call on `engine`; if the engine was lost, bring it back and send the call again.
+
+        `restarted(answer)` says why an answer shows that Ray restarted the engine before the call reached it.
+        """
+        while True:
+            try:
+                answer = gather([(self.names[engine], ref)], what, max(0.0, deadline - time.monotonic()),
+                                self.log_dir)[0]
+                why = restarted(answer) if self.recovery else None
+                if why is None:
+                    return answer
+            except ActorError as err:
+                if not (err.lost and self.recovery):
+                    raise
+                why = str(err).splitlines()[0]
+            self.bring_back(engine, life, why, reinstall)
+            ref, life = send_again(), self.lives[engine]
+
+    def bring_back(self, engine: int, life: int, why: str, reinstall: bool = True) -> None:
+        """Wait for Ray's restart of a lost engine and give it the served weights (once per loss)."""
+        if self.lives.get(engine, 0) != life:
+            return  # another call on the same engine already brought it back
+        name, recovery = self.names[engine], self.recovery
+        log.warning("%s was lost (%s); waiting for Ray to restart it", name, why)
+        self._until_restarted(engine, f"restarting {name} (restart {life + 1} of sampler.max_restarts="
+                              f"{recovery.max_restarts})")
+        if reinstall and self.version > 0:
+            bundle = recovery.republish(self.version)
+            gather([(name, self.engines[engine].install.remote(bundle))], f"installing weights v{self.version} in "
+                   f"the restarted {name}", recovery.ready_timeout_s, self.log_dir)
+        self.lives[engine] = life + 1
+        log.warning("%s restarted (restart %d of sampler.max_restarts=%d), serving weights v%d; its lost call is "
+                    "sent again", name, life + 1, recovery.max_restarts, self.version)
+
+    def _until_restarted(self, engine: int, what: str) -> None:
+        """Wait for the engine's constructor to finish again; raises once Ray gives up on it (restarts spent)."""
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + self.recovery.ready_timeout_s
+        while True:
+            try:
+                gather([(self.names[engine], self.engines[engine].__ray_ready__.remote())], what,
+                       max(0.0, deadline - time.monotonic()), self.log_dir)
+                return
+            except ActorError as err:  # calls made while Ray restarts the actor fail at once: ask again
+                if not isinstance(err.__cause__, ActorUnavailableError) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)

@@ -15,7 +15,15 @@ from rl_tpu.actor_logs import log_path
 
 
 class ActorError(RuntimeError):
-    """An actor raised, died, or did not answer in time; the message names it and its log file."""
+    """An actor raised, died, or did not answer in time; the message names it and its log file.
+
+    `lost` is true when the actor's process is gone (killed, crashed, its node lost): what a restart
+    can repair, unlike an exception the actor raised or a deadline it missed.
+    """
+
+    def __init__(self, message: str, actor: str | None = None, lost: bool = False):
+        super().__init__(message)
+        self.actor, self.lost = actor, lost
 
 
 def gather(calls: Sequence[tuple[str, Any]], what: str, timeout_s: float, log_dir: str | Path | None = None) -> list:
@@ -35,12 +43,13 @@ def gather(calls: Sequence[tuple[str, Any]], what: str, timeout_s: float, log_di
         try:
             results[ref] = ray.get(ref)
         except RayTaskError as err:
-            raise ActorError(f"{what} failed in {names[ref]}{_logs([ref], names, log_dir)}:\n{err}") from err
+            raise ActorError(f"{what} failed in {names[ref]}{_logs([ref], names, log_dir)}:\n{err}", names[ref]) from err
         except RayActorError as err:
-            raise ActorError(f"{what}: {names[ref]} died{_logs([ref], names, log_dir)}: {err}") from err
+            raise ActorError(f"{what}: {names[ref]} died{_logs([ref], names, log_dir)}: {err}", names[ref],
+                             lost=True) from err
         except RayError as err:  # e.g. OutOfMemoryError: Ray's memory monitor killed the actor's worker
             raise ActorError(f"{what}: {names[ref]} was stopped by Ray ({type(err).__name__})"
-                             f"{_logs([ref], names, log_dir)}: {err}") from err
+                             f"{_logs([ref], names, log_dir)}: {err}", names[ref]) from err
     return [results[ref] for _, ref in calls]
 
 

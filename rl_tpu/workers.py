@@ -23,7 +23,7 @@ from rl_tpu.actor_logs import actor_name
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.rollout import TrainBatch
 from rl_tpu.sampler import EngineOptions, launch_sampler
-from rl_tpu.sampler_pool import SamplerPool
+from rl_tpu.sampler_pool import EngineRecovery, SamplerPool
 from rl_tpu.sync import WeightBundle
 from rl_tpu.trainer import TrainerWorker
 from rl_tpu.waiting import ActorError, gather
@@ -95,6 +95,8 @@ def start_workers(cfg: RunConfig, model_path: Path, run_dir: Path, kind: str,
     reservation = placement.reserve(plan, cfg.ray.placement_timeout_s)
     log_dir = str(run_dir / "logs")
     workers = Workers([], SamplerPool([], log_dir), reservation, cfg, log_dir)
+    if restarts_in_place(cfg):
+        workers.samplers.recovery = EngineRecovery(workers.publish, cfg.sampler.max_restarts, cfg.ray.start_timeout_s)
     try:
         check_transport_reach(cfg, reservation)
         actor_cfg = dataclasses.replace(cfg, device=kind)  # resolved again on each actor's node
@@ -130,11 +132,18 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
     plan, s = workers.reservation.plan, cfg.sampler
     memory = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if plan.layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
     max_len = cfg.data.max_prompt_length + s.response_length
+    restarts = s.max_restarts if workers.samplers.recovery else 0
     for engine in range(plan.num_engines):
         options = EngineOptions(engine, log_dir, plan.engines_sleep, memory)
+        ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
         workers.samplers.engines.append(
             launch_sampler(str(model_path), value_of(cfg.model.dtype), max_len, s.kv_cache_gb, s.seed + engine,
-                           options, workers.reservation.sampler_options(engine)))
+                           options, ray_options))
+
+
+def restarts_in_place(cfg: RunConfig) -> bool:
+    """A lost engine can rejoin alone when each install is a call of its own (not a broadcast every engine joins)."""
+    return cfg.sampler.max_restarts > 0 and value_of(cfg.sync.transport) in ("object_store", "shm_file")
 
 
 def check_transport_reach(cfg: RunConfig, reservation: placement.Reservation) -> None:

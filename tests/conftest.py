@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,53 @@ def ray_cluster():
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+# The CLI runs of the end-to-end tests: the tiny model with random weights (no warm start), 4 prompts x 4
+# completions, two FSDP2 ranks. Random weights earn no reward, so zero advantages; the entropy bonus still
+# moves the weights.
+E2E_OVERRIDES = ("+recipe=grpo_math", "model.tiny.warm_start_steps=0", "data.train_batch_size=4", "sampler.n=4",
+                 "data.num_eval=32", "trainer.eval_every=2", "trainer.world_size=2", "actor.entropy_coeff=0.01")
+
+
+def cli_command(run_dir, cache_dir, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "rl_tpu.main", *E2E_OVERRIDES, f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}",
+            *overrides]
+
+
+def run_cli(run_dir, cache_dir, *overrides: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(cli_command(run_dir, cache_dir, *overrides), cwd=REPO, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def start_cli(run_dir, cache_dir, *overrides: str) -> subprocess.Popen:
+    """A run in the background (its output in RUN_DIR.out), for tests that interrupt it."""
+    Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    out = open(f"{run_dir}.out", "w")
+    return subprocess.Popen(cli_command(run_dir, cache_dir, *overrides), cwd=REPO, stdout=out,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(run_dir, step: int, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Until metrics.jsonl has a line for `step` (the run's process must still be running)."""
+    metrics, deadline = Path(run_dir) / "metrics.jsonl", time.monotonic() + timeout_s
+    while not (metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines())):
+        assert process.poll() is None, Path(f"{run_dir}.out").read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no step {step} in {metrics} within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def actor_pid(run_dir, actor: str) -> int:
+    """The process of one actor, as placement.json records it."""
+    actors = json.loads((Path(run_dir) / "placement.json").read_text())["actors"]
+    return next(a["pid"] for a in actors if a["actor"] == actor)
+
+
+@pytest.fixture(scope="session")
+def five_step_run(tmp_path_factory) -> Path:
+    """An uninterrupted 5-step run: the reference that resumed, restarted and recovered runs must equal."""
+    root = tmp_path_factory.mktemp("whole")
+    run_cli(root / "run", root / "cache", "trainer.total_steps=5")
+    return root / "run"

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_cli
 from rl_tpu.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
@@ -16,17 +16,6 @@ pytestmark = pytest.mark.e2e
 STEP_KEYS = {"reward/mean", "sync/transport", "sync/bytes", "actor/loss", "actor/entropy", "actor/grad_norm", "actor/logprob_diff", "time/generate_s",
              "time/reward_s", "time/train_s", "time/sync_s", "perf/gen_tokens_per_s", "perf/train_tokens_per_s",
              "sync/version", "rollout/weight_version", "sync/mb_per_s"}
-
-
-def run_cli(run_dir, cache_dir, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rl_tpu.main", "+recipe=grpo_math", f"hydra.run.dir={run_dir}",
-           f"cache_dir={cache_dir}", "model.tiny.warm_start_steps=0", "data.train_batch_size=4", "sampler.n=4",
-           "data.num_eval=32", "trainer.eval_every=2", "trainer.world_size=2",
-           # random weights earn no reward, so zero advantages; the entropy bonus still moves the weights
-           "actor.entropy_coeff=0.01", *overrides]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +67,16 @@ def test_export_loads_in_transformers_with_the_trainer_weights(three_step_run):
 EXACT_KEYS = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/logprob_diff", "eval/accuracy")
 
 
-def test_resume_continues_exactly_where_the_run_stopped(three_step_run):
-    """Resumed after step 3, steps 4-5 equal those of a run that never stopped, bit for bit (sync, fp32)."""
+def assert_same_steps(rows: list[dict], reference_run) -> None:
+    """Each row equals the reference run's row of the same step, bit for bit, on the keys that decide learning."""
+    whole = {r["step"]: r for r in read_metrics(reference_run / "metrics.jsonl")}
+    for row in rows:
+        assert {k: row.get(k) for k in EXACT_KEYS} == {k: whole[row["step"]].get(k) for k in EXACT_KEYS}, row["step"]
+    assert whole[4]["actor/grad_norm"] != whole[5]["actor/grad_norm"]  # the steps differ: the comparison can fail
+
+
+def test_resume_continues_exactly_where_the_run_stopped(three_step_run, five_step_run):
+    """Resumed after step 3 in a new folder, steps 4-5 equal those of a run that never stopped (sync, fp32)."""
     root, _ = three_step_run
     run_cli(root / "resumed", root / "cache", "trainer.total_steps=5", f"trainer.resume_from={root / 'run'}",
             "sync.transport=shm_file", f"sync.shm_dir={root / 'shm'}")
@@ -87,11 +84,7 @@ def test_resume_continues_exactly_where_the_run_stopped(three_step_run):
     assert [r["step"] for r in rows] == [3, 4, 5]
     assert rows[0]["sync/version"] == 3 and rows[1]["rollout/weight_version"] == 3 and rows[2]["sync/version"] == 5
     assert rows[2]["sync/transport"] == "shm_file" and rows[2]["sync/buckets"] >= 1
-    run_cli(root / "whole", root / "cache", "trainer.total_steps=5")
-    whole = {r["step"]: r for r in read_metrics(root / "whole" / "metrics.jsonl")}
-    for row in rows[1:]:
-        assert {k: row.get(k) for k in EXACT_KEYS} == {k: whole[row["step"]].get(k) for k in EXACT_KEYS}
-    assert whole[4]["actor/grad_norm"] != whole[5]["actor/grad_norm"]  # the steps differ: the comparison can fail
+    assert_same_steps(rows[1:], five_step_run)
 
 
 def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cluster):

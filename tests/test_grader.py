@@ -24,6 +24,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         os._exit(3)
     if ground_truth == "dict":
         return {"score": 0.5, "exact": True, "pred": "not a number"}
+    if ground_truth == "allocate":  # without bound: only the worker's memory limit stops it
+        hoard = []
+        while True:
+            hoard.append(bytearray(64 * 2**20))
+    if ground_truth == "spin":  # CPU-bound for longer than the sample's budget
+        while True:
+            pass
+    if ground_truth == "env":
+        return float(os.environ.get("RL_TPU_TEST_SECRET") == "s3cret") + 2 * float(os.environ.get("RL_TPU_TEST_KEPT") == "yes")
+    if ground_truth.startswith("type:"):
+        import numpy, torch
+        return {"bool": True, "np32": numpy.float32(0.25), "np_int": numpy.int64(1), "tensor": torch.tensor(0.5),
+                "array1": numpy.array([0.75]), "array2": numpy.array([0.1, 0.2]), "string": "1.0"}[ground_truth[5:]]
     return 1.0 if solution_str == ground_truth else 0.0
 
 async def async_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
@@ -186,3 +199,51 @@ def test_math_reward_runs_in_the_pool_with_its_own_timeouts():
         assert grades.scores == [1.0, 1.0, 0.0] and not grades.failures
     finally:
         grader.close()
+
+
+def test_a_plugin_that_allocates_without_bound_is_stopped_by_the_memory_limit(plugin):
+    """The sample fails (MemoryError in its worker, counted), the host keeps its memory and the others score."""
+    grader = grader_for(plugin, num_workers=1, worker_memory_mb=1024, max_failure_rate=0.5)
+    try:
+        grades = grader.grade(samples(["a", "allocate", "a", "a"]))
+    finally:
+        grader.close()
+    assert grades.scores == [1.0, 0.0, 1.0, 1.0]
+    (failure,) = grades.failures
+    assert failure.index == 1 and "MemoryError" in failure.message
+
+
+def test_a_cpu_bound_sample_is_stopped_by_the_cpu_limit(plugin):
+    """RLIMIT_CPU (timeout_s + 1 s of CPU per sample) ends the worker even before the wall-clock deadline would."""
+    grader = grader_for(plugin, num_workers=1, timeout_s=1.0, max_failure_rate=0.5)
+    grader.timeout_s = 60.0  # only the CPU limit is left to stop it
+    start = time.monotonic()
+    try:
+        grades = grader.grade(samples(["spin", "a"]))
+    finally:
+        grader.close()
+    assert grades.scores == [0.0, 1.0] and grades.failures[0].kind == "crash"
+    assert time.monotonic() - start < 30
+
+
+def test_workers_get_a_minimal_environment_unless_pass_env_names_more(plugin, monkeypatch):
+    monkeypatch.setenv("RL_TPU_TEST_SECRET", "s3cret")
+    monkeypatch.setenv("RL_TPU_TEST_KEPT", "yes")
+    for pass_env, expected in (([], 0.0), (["RL_TPU_TEST_KEPT"], 2.0), (["RL_TPU_TEST_SECRET", "RL_TPU_TEST_KEPT"], 3.0)):
+        grader = grader_for(plugin, num_workers=1, pass_env=pass_env)
+        try:
+            assert grader.grade(samples(["env"])).scores == [expected], pass_env
+        finally:
+            grader.close()
+
+
+def test_scores_of_every_numeric_type_verl_accepts(plugin):
+    grader = grader_for(plugin, num_workers=1, max_failure_rate=1.0)
+    kinds = ["bool", "np32", "np_int", "tensor", "array1", "array2", "string"]
+    try:
+        grades = grader.grade(samples([f"type:{k}" for k in kinds]))
+    finally:
+        grader.close()
+    assert grades.scores == [1.0, 0.25, 1.0, 0.5, 0.75, 0.0, 0.0]
+    assert [f.index for f in grades.failures] == [5, 6]  # a two-element array and a string are not scores
+    assert all(f.kind == "invalid" for f in grades.failures)
