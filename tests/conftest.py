@@ -94,8 +94,8 @@ def actor_pid(run_dir, actor: str) -> int:
 
 
 @pytest.fixture(scope="session")
-def five_step_run(tmp_path_factory) -> Path:
-    """An uninterrupted 5-step run: the reference that resumed, restarted and recovered runs must equal."""
+def six_step_run(tmp_path_factory) -> Path:
+    """An uninterrupted 6-step run: the reference that resumed, restarted and recovered runs must equal."""
     root = tmp_path_factory.mktemp("whole")
-    run_cli(root / "run", root / "cache", "trainer.total_steps=5")
+    run_cli(root / "run", root / "cache", "trainer.total_steps=6")
     return root / "run"

@@ -75,16 +75,16 @@ def assert_same_steps(rows: list[dict], reference_run) -> None:
     assert whole[4]["actor/grad_norm"] != whole[5]["actor/grad_norm"]  # the steps differ: the comparison can fail
 
 
-def test_resume_continues_exactly_where_the_run_stopped(three_step_run, five_step_run):
-    """Resumed after step 3 in a new folder, steps 4-5 equal those of a run that never stopped (sync, fp32)."""
+def test_resume_continues_exactly_where_the_run_stopped(three_step_run, six_step_run):
+    """Stopped after step 3 of 6 and resumed in a new folder: steps 4-6 equal those of a run that never stopped."""
     root, _ = three_step_run
-    run_cli(root / "resumed", root / "cache", "trainer.total_steps=5", f"trainer.resume_from={root / 'run'}",
+    run_cli(root / "resumed", root / "cache", "trainer.total_steps=6", f"trainer.resume_from={root / 'run'}",
             "sync.transport=shm_file", f"sync.shm_dir={root / 'shm'}")
     rows = read_metrics(root / "resumed" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [3, 4, 5]
-    assert rows[0]["sync/version"] == 3 and rows[1]["rollout/weight_version"] == 3 and rows[2]["sync/version"] == 5
-    assert rows[2]["sync/transport"] == "shm_file" and rows[2]["sync/buckets"] >= 1
-    assert_same_steps(rows[1:], five_step_run)
+    assert [r["step"] for r in rows] == [3, 4, 5, 6]
+    assert rows[0]["sync/version"] == 3 and rows[1]["rollout/weight_version"] == 3 and rows[3]["sync/version"] == 6
+    assert rows[3]["sync/transport"] == "shm_file" and rows[3]["sync/buckets"] >= 1
+    assert_same_steps(rows[1:], six_step_run)
 
 
 def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cluster):

@@ -1,5 +1,5 @@
 """What goes wrong during a run, end to end through the CLI: preemption, a lost engine, a lost trainer rank,
-a non-finite update. Each recovered run must equal an uninterrupted one (`five_step_run`), step for step."""
+a non-finite update. Each recovered run must equal an uninterrupted one (`six_step_run`), step for step."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def finish(process: subprocess.Popen, run_dir, timeout_s: float = 300) -> str:
     return open(f"{run_dir}.out").read()
 
 
-def test_sigterm_saves_stops_and_resume_auto_continues_exactly(five_step_run, tmp_path):
+def test_sigterm_saves_stops_and_resume_auto_continues_exactly(six_step_run, tmp_path):
     run_dir = tmp_path / "run"
-    process = start_cli(run_dir, tmp_path / "cache", "trainer.total_steps=5", "trainer.checkpoint_every=0")
+    process = start_cli(run_dir, tmp_path / "cache", "trainer.total_steps=6", "trainer.checkpoint_every=0")
     wait_for_step(run_dir, 2, process)
     stopped_at = time.monotonic()
     process.send_signal(signal.SIGTERM)
@@ -37,18 +37,18 @@ def test_sigterm_saves_stops_and_resume_auto_continues_exactly(five_step_run, tm
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
     # checkpoint_every=0: the only checkpoint is the one the signal asked for, after the last finished step
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{steps[-1]}"]
-    assert 2 <= steps[-1] < 5 and f"SIGTERM after step {steps[-1]}" in output
+    assert 2 <= steps[-1] < 6 and f"SIGTERM after step {steps[-1]}" in output
     assert f"hydra.run.dir={run_dir} trainer.resume=auto" in output
 
-    run_cli(run_dir, tmp_path / "cache", "trainer.total_steps=5", "trainer.checkpoint_every=0", "trainer.resume=auto")
+    run_cli(run_dir, tmp_path / "cache", "trainer.total_steps=6", "trainer.checkpoint_every=0", "trainer.resume=auto")
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]  # one file, each step once
-    assert_same_steps(rows, five_step_run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # one file, each step once
+    assert_same_steps(rows, six_step_run)
 
 
-def test_a_killed_engine_is_restarted_in_place_and_no_sample_is_lost(five_step_run, tmp_path):
+def test_a_killed_engine_is_restarted_in_place_and_no_sample_is_lost(six_step_run, tmp_path):
     run_dir = tmp_path / "run"
-    process = start_cli(run_dir, tmp_path / "cache", "trainer.total_steps=5")
+    process = start_cli(run_dir, tmp_path / "cache", "trainer.total_steps=6")
     wait_for_step(run_dir, 1, process)
     os.kill(actor_pid(run_dir, "sampler_0"), signal.SIGKILL)
     output = finish(process, run_dir)
@@ -56,14 +56,14 @@ def test_a_killed_engine_is_restarted_in_place_and_no_sample_is_lost(five_step_r
     assert output.count("sampler_0 restarted (restart 1 of sampler.max_restarts=2)") == 1
     assert "restarting every actor" not in output  # the trainer ranks kept going
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
     assert all(r["rollout/samples"] == 16 for r in rows[1:]) and rows[-1]["sampler/restarts"] == 1
-    assert_same_steps(rows, five_step_run)  # the replacement drew the same tokens with the same weights
+    assert_same_steps(rows, six_step_run)  # the replacement drew the same tokens with the same weights
 
 
-def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(five_step_run, tmp_path):
+def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(six_step_run, tmp_path):
     run_dir = tmp_path / "run"
-    process = start_cli(run_dir, tmp_path / "cache", "trainer.total_steps=5")
+    process = start_cli(run_dir, tmp_path / "cache", "trainer.total_steps=6")
     wait_for_step(run_dir, 2, process)
     os.kill(actor_pid(run_dir, "trainer_1"), signal.SIGKILL)
     output = finish(process, run_dir)
@@ -71,8 +71,8 @@ def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(five_st
     assert output.count("restarting every actor from the last checkpoint (restart 1 of trainer.max_restarts=1)") == 1
     assert "resumed from" in output
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
-    assert_same_steps(rows, five_step_run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    assert_same_steps(rows, six_step_run)
 
 
 OVERFLOWING_REWARD = '''

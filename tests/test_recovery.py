@@ -9,7 +9,9 @@ import pytest
 from rl_tpu import checkpoints
 from rl_tpu.controller import check_inputs, validate
 from rl_tpu.data import Example
-from rl_tpu.recovery import SkippedStepGuard
+from rl_tpu.metrics import MetricsLogger, read_metrics
+from rl_tpu.recovery import SkippedStepGuard, StopRequest, with_restarts
+from rl_tpu.waiting import ActorError
 from test_config import compose_run
 
 
@@ -56,10 +58,13 @@ def test_skipped_updates_are_counted_and_too_many_in_a_row_stop_the_run():
     ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0"),
     ("actor.kl_loss_type=k9", "actor.kl_loss_type='k9': allowed values are kl, k1"),
     ("trainer.keep_last=-1", "trainer.keep_last=-1"),
+    ("trainer.max_restarts=-1", "trainer.max_restarts=-1"),
+    ("sampler.max_restarts=-2", "sampler.max_restarts=-2"),
+    ("reward.worker_memory_mb=0", "reward.worker_memory_mb=0"),
     ("trainer.resume_from=/no/such/run", "trainer.resume_from=/no/such/run: no complete checkpoint"),
 ])
 def test_settings_that_used_to_fail_late_fail_in_validation(override, message):
-    with pytest.raises((ValueError, FileNotFoundError), match=message):
+    with pytest.raises(Exception, match=message):
         validate(compose_run(override))
 
 
@@ -75,3 +80,62 @@ def test_a_batch_larger_than_the_data_and_a_model_without_decoder_blocks_are_ref
                                                   "vocab_size": 16, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(TypeError, match="expected decoder blocks at model.model.layers"):
         check_inputs(cfg, gpt2, few * 2)
+
+
+def test_the_resume_point_prefers_this_run_folder_then_resume_from(tmp_path):
+    here, there = tmp_path / "here", tmp_path / "there"
+    make_checkpoint(there, "step_4")
+    assert checkpoints.resume_point(here, this_run=True, resume_from=None) is None  # auto, nothing yet: from the start
+    assert checkpoints.resume_point(here, this_run=True, resume_from=str(there)).name == "step_4"
+    make_checkpoint(here, "step_6")
+    assert checkpoints.resume_point(here, this_run=True, resume_from=str(there)) == here / "checkpoints" / "step_6"
+    assert checkpoints.resume_point(here, this_run=False, resume_from=str(there)).name == "step_4"
+    assert [checkpoints.every(None, n) for n in (3, 100, 450)] == [1, 10, 45]
+    assert checkpoints.every(0, 100) == 0 and checkpoints.every(7, 100) == 7
+
+
+def test_a_resumed_run_continues_its_metrics_file(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=6, show_progress=False)
+    for step in range(5):
+        logger.log(step, {"eval/accuracy": step / 10} if step % 2 == 0 else {"reward/mean": 1.0})
+    logger.close()
+    resumed = MetricsLogger(tmp_path, total_steps=6)
+    resumed.truncate_after(2)  # the checkpoint was at step 2: steps 3-4 run again
+    assert resumed.bar.n == 2  # the progress bar starts at the resumed step
+    resumed.log(3, {"reward/mean": 0.5})
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert resumed.evals() == [0.0, 0.2] and resumed.bar.n == 3
+    resumed.truncate_after(None)  # a run starting over in this folder
+    assert read_metrics(tmp_path / "metrics.jsonl") == [] and resumed.evals() == []
+
+
+def test_only_a_lost_actor_restarts_the_run_and_only_so_often():
+    attempts = []
+
+    def attempt(restarts: int, error: ActorError):
+        attempts.append(restarts)
+        if len(attempts) <= 2:
+            raise error
+        return "done"
+
+    assert with_restarts(lambda n: attempt(n, ActorError("trainer_1 died", "trainer_1", lost=True)), 2) == "done"
+    assert attempts == [0, 1, 2]
+    attempts.clear()
+    with pytest.raises(ActorError, match="trainer_1 died"):  # restarts spent
+        with_restarts(lambda n: attempt(n, ActorError("trainer_1 died", "trainer_1", lost=True)), 1)
+    attempts.clear()
+    with pytest.raises(ActorError, match="raised"):  # an exception would happen again: no restart
+        with_restarts(lambda n: attempt(n, ActorError("train step failed: raised", "trainer_0")), 5)
+    assert attempts == [0]
+
+
+def test_a_signal_is_recorded_and_a_second_one_stops_at_once():
+    import os
+    import signal
+
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the previous handlers are back
