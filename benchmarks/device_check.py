@@ -19,7 +19,6 @@ bytes measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
