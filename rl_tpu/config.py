@@ -158,6 +158,11 @@ class TrainerConfig:
     seq_buckets: list[int] = field(default_factory=list)
     compile: bool = False
     threads_per_rank: int = 1
+    # Host allocations of 1 MiB or more are mapped and unmapped on their own, so freed memory goes back to the
+    # OS at once (glibc's MALLOC_MMAP_THRESHOLD_): otherwise freed parameter-sized blocks stay in the heap and a
+    # rank's memory stops scaling with the world size. Real-size benchmark: 37% lower peak per rank at world
+    # size 2, CPU train steps 10-20% slower (benchmarks/README.md, trainer_memory.py)
+    return_freed_memory: bool = True
     # place trainer ranks only on Ray nodes with these labels (`ray start --labels=role=trainer`); {}: anywhere
     node_labels: dict[str, str] = field(default_factory=dict)
     total_steps: int = 100

@@ -20,7 +20,7 @@ import ray
 
 from rl_tpu import placement
 from rl_tpu.actor_logs import actor_name
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig, TrainerConfig, value_of
 from rl_tpu.rollout import TrainBatch
 from rl_tpu.sampler import EngineOptions, launch_sampler
 from rl_tpu.sampler_pool import EngineRecovery, SamplerPool
@@ -119,13 +119,18 @@ def start_workers(cfg: RunConfig, model_path: Path, run_dir: Path, kind: str,
 def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str) -> None:
     reservation = workers.reservation
     master_addr, master_port = placement.free_address_on(reservation.trainer_node(0), cfg.ray.start_timeout_s)
-    threads = str(cfg.trainer.threads_per_rank)
     trainer_cls = ray.remote(TrainerWorker)
     for rank in range(cfg.trainer.world_size):
         options = reservation.trainer_options(rank)
         workers.trainers.append(
-            trainer_cls.options(**options, runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})
+            trainer_cls.options(**options, runtime_env={"env_vars": trainer_env(cfg.trainer)})
             .remote(cfg, str(model_path), rank, cfg.trainer.world_size, master_addr, master_port, log_dir))
+
+
+def trainer_env(trainer: TrainerConfig) -> dict[str, str]:
+    """The environment of a trainer rank's process (see `trainer.return_freed_memory`)."""
+    return {"OMP_NUM_THREADS": str(trainer.threads_per_rank),
+            **({"MALLOC_MMAP_THRESHOLD_": str(2**20)} if trainer.return_freed_memory else {})}
 
 
 def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str) -> None:
