@@ -52,6 +52,7 @@ class Bucket:
     specs: tuple[TensorSpec, ...]
     checksum: str
     handle: Any  # object_store: [ObjectRef]; shm_file: the file's path; collective: the group's {host, port}
+    index: int  # its place in the bundle (buckets may come from several senders)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,16 @@ class WeightBundle:
     @property
     def names(self) -> list[str]:
         return [spec.name for bucket in self.buckets for spec in bucket.specs]
+
+    @classmethod
+    def merge(cls, parts: list["WeightBundle"]) -> "WeightBundle":
+        """One bundle from the parts that several trainer ranks sent (each holds some of the buckets)."""
+        buckets = tuple(sorted((b for part in parts for b in part.buckets), key=lambda b: b.index))
+        if {(p.version, p.transport) for p in parts} != {(parts[0].version, parts[0].transport)} \
+                or [b.index for b in buckets] != list(range(len(buckets))):
+            raise WeightSyncError(f"the trainer ranks' parts of a weight bundle do not fit together: versions "
+                                  f"{[p.version for p in parts]}, buckets {[[b.index for b in p.buckets] for p in parts]}")
+        return cls(parts[0].version, parts[0].transport, buckets, sum(p.num_bytes for p in parts))
 
 
 def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -81,6 +92,17 @@ def checksum(specs: tuple[TensorSpec, ...], buffers: list[np.ndarray]) -> str:
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+
+def assign_senders(bucket_bytes: list[int], senders: int) -> list[int]:
+    """Which sender stages each bucket: in turn, the one that has the fewest bytes so far (ties: the lowest),
+    so that every trainer rank writes its share of a bundle. Deterministic: every rank computes the same."""
+    loads, owners = [0] * senders, []
+    for size in bucket_bytes:
+        owner = loads.index(min(loads))
+        owners.append(owner)
+        loads[owner] += size
+    return owners
 
 
 def plan_buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
@@ -104,6 +126,8 @@ class Transport:
     """
 
     name: str
+    # whether any trainer rank may stage buckets: the receiver then fetches each from where it was put
+    any_rank_sends: bool = False
 
     def flush(self) -> None:
         """Called after the last bucket of a bundle; transports that send per bucket have nothing left."""
@@ -114,6 +138,7 @@ class Transport:
 
 class ObjectStoreTransport(Transport):
     name = "object_store"
+    any_rank_sends = True  # objects are fetched from whichever node put them
 
     def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> Any:
         import ray
@@ -262,17 +287,23 @@ def pack(state_dict: dict[str, torch.Tensor], version: int, transport: Transport
     return pack_buckets(groups, version, transport)
 
 
-def pack_buckets(groups: Iterable[dict[str, torch.Tensor]], version: int,
+def pack_buckets(groups: Iterable[dict[str, torch.Tensor] | None], version: int,
                  transport: Transport | None = None) -> WeightBundle:
-    """Stage buckets as they come (a sharded trainer gathers one at a time); each is checksummed and put."""
+    """Stage buckets as they come (a sharded trainer gathers one at a time); each is checksummed and put.
+
+    A `None` group is a bucket that another sender stages: the result is then this sender's part of
+    the bundle (`WeightBundle.merge` joins the parts)."""
     transport = transport or ObjectStoreTransport()
     buckets = []
     for index, group in enumerate(groups):
+        if group is None:
+            continue
         named = {n: t.detach().cpu() for n, t in group.items()}
         specs = tuple(spec_of(n, t) for n, t in named.items())
         buffers = [_as_bytes(t) for t in named.values()]
-        buckets.append(Bucket(specs, checksum(specs, buffers), transport.put(version, index, named, buffers)))
-    transport.flush()
+        buckets.append(Bucket(specs, checksum(specs, buffers), transport.put(version, index, named, buffers), index))
+    if buckets:
+        transport.flush()
     num_bytes = sum(spec.num_bytes for bucket in buckets for spec in bucket.specs)
     return WeightBundle(version, transport.name, tuple(buckets), num_bytes)
 

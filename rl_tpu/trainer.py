@@ -49,6 +49,21 @@ def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
     return [batch.shard(i, -(-len(batch) // size)) for i in range(-(-len(batch) // size))]
 
 
+def name_shards(folder: Path, shards: list[tuple[list[str], int]]) -> None:
+    """Rename `shard-i.safetensors` as `save_pretrained` names its files: `model.safetensors` when there
+    is one, else `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`."""
+    if len(shards) == 1:
+        os.replace(folder / "shard-0.safetensors", folder / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (names, _) in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(folder / f"shard-{i}.safetensors", folder / file)
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": sum(size for _, size in shards)}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 class TrainerWorker:
     """One FSDP2 rank. Ray runs one per rank; every public method is collective across ranks."""
 
@@ -184,26 +199,29 @@ class TrainerWorker:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
-    def served_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+    def served_buckets(self, senders: int = 1) -> Iterator[dict[str, torch.Tensor] | None]:
         """The full weights bucket by bucket, on the host, in the dtype the sampler serves (`model.dtype`).
 
         Collective: every rank iterates, gathering one bucket's parameters from their shards at a
-        time, so no process holds more than one bucket beyond its shard; rank 0 gets the tensors,
-        the others empty buckets. bf16 halves what a sync moves; the engine would round the fp32
-        master weights to its dtype on load anyway, so rounding here gives it the same values.
+        time, so no process holds more than one bucket beyond its shard. Bucket i goes to rank
+        `sync.assign_senders(...)[i]` among the first `senders` ranks; the others get None for it.
+        bf16 halves what a sync moves; the engine would round the fp32 master weights to its dtype
+        on load anyway, so rounding here gives it the same values.
         """
         dtype = getattr(torch, value_of(self.cfg.model.dtype))
         # tied weights under each of their names: vLLM's CPU backend keeps its own copy of a tied head
         params = {hf_name(name): param for name, param in self.model.named_parameters(remove_duplicate=False)}
         sizes = {name: param.numel() * dtype.itemsize for name, param in params.items()}
-        for names in sync.plan_buckets(sizes, int(self.cfg.sync.bucket_mb * 2**20)):
+        plan = sync.plan_buckets(sizes, int(self.cfg.sync.bucket_mb * 2**20))
+        owners = sync.assign_senders([sum(sizes[name] for name in names) for names in plan], senders)
+        for names, owner in zip(plan, owners):
             bucket = {}
             for name in names:
                 param = params[name].detach()
                 full = param.full_tensor() if isinstance(param, DTensor) else param  # all-gather of the shards
-                if self.rank == 0:
+                if self.rank == owner:
                     bucket[name] = full.to("cpu", dtype)
-            yield bucket
+            yield bucket if self.rank == owner else None
 
     def served_specs(self) -> dict[str, torch.Tensor]:
         """Names, shapes and dtypes of what `served_buckets` yields, as meta tensors, in the same order."""
@@ -211,14 +229,14 @@ class TrainerWorker:
         return {hf_name(name): torch.empty(param.shape, dtype=dtype, device="meta")
                 for name, param in self.model.named_parameters(remove_duplicate=False)}
 
-    def publish_weights(self, version: int) -> sync.WeightBundle | None:
-        """Stream the full weights into the transport; rank 0 returns the bundle for the sampler, others None."""
-        buckets = self.served_buckets()
-        if self.rank != 0:
-            for _ in buckets:  # take part in every bucket's gather
-                pass
-            return None
-        return sync.pack_buckets(buckets, version, self.transport)
+    def publish_weights(self, version: int) -> sync.WeightBundle:
+        """Stream the full weights into the transport; returns this rank's part of the bundle.
+
+        Where the transport lets any rank send (`object_store`), the ranks share the buckets, so
+        that checksums and staging are split and no rank holds the whole bundle's staged bytes;
+        otherwise rank 0 sends them all and the other ranks' parts are empty."""
+        senders = self.world_size if self.transport.any_rank_sends else 1
+        return sync.pack_buckets(self.served_buckets(senders), version, self.transport)
 
     def connect_tpu_sync(self, samplers: list) -> list[str] | None:
         """`sync.transport=tpu_sync` handshake: rank 0 plans the slots, every engine listens, rank 0 connects."""
@@ -235,20 +253,33 @@ class TrainerWorker:
         return endpoints
 
     def export(self, folder: str) -> str | None:
-        """Write a Hugging Face folder (config, tokenizer, safetensors) atomically; rank 0 writes."""
-        state = self.full_state_dict()
-        if self.rank != 0:
-            return None
+        """Write a Hugging Face folder (config, tokenizer, sharded safetensors in `model.dtype`) atomically.
+
+        Streamed like a weight sync: the ranks gather one bucket (`sync.bucket_mb`) at a time and rank 0
+        writes it as one shard, so no process holds the full weights; the shards are named and indexed
+        as `save_pretrained` names them. Collective: every rank calls it; rank 0 writes.
+        """
         from safetensors.torch import save_file
 
         final = Path(folder)
         tmp = final.with_name(final.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self.model_path, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json"))
-        config = json.loads((tmp / "config.json").read_text())
-        if config.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)  # shares storage with the embedding; safetensors stores it once
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((Path(self.model_path) / "config.json").read_text())
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(self.model_path, tmp,
+                            ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json"))
+        shards: list[tuple[list[str], int]] = []  # (names, bytes) of each shard written
+        for bucket in self.served_buckets():
+            if config.get("tie_word_embeddings") and bucket:
+                bucket.pop("lm_head.weight", None)  # the embedding under its other name: stored once
+            if bucket:  # rank 0's; the other ranks only took part in the gathers
+                save_file(bucket, str(tmp / f"shard-{len(shards)}.safetensors"), metadata={"format": "pt"})
+                shards.append((list(bucket), sum(t.nbytes for t in bucket.values())))
+        if self.rank != 0:
+            return None
+        name_shards(tmp, shards)
+        config["dtype"] = value_of(self.cfg.model.dtype)  # what the shards hold
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return str(final)

@@ -60,7 +60,8 @@ class Workers:
         return self.on_trainers("train_step", "train step", ray.put(batch))[0]
 
     def publish(self, version: int) -> WeightBundle:
-        return self.on_trainers("publish_weights", f"publishing weights v{version}", version)[0]
+        """Every rank sends its share of the buckets; the engines get them as one bundle."""
+        return WeightBundle.merge(self.on_trainers("publish_weights", f"publishing weights v{version}", version))
 
     def install(self, bundle: WeightBundle) -> dict[str, float]:
         """Every engine installs the bundle (woken first if it slept while the trainer trained)."""

@@ -80,11 +80,16 @@ def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_clus
     ranks = [ray_cluster.remote(TrainerWorker).options(num_cpus=1).remote(cfg, str(tiny_model_dir), r, 2, "127.0.0.1",
                                                                           port) for r in range(2)]
     ray_cluster.get([r.train_step.remote(batch) for r in ranks])
-    bundles = ray_cluster.get([r.publish_weights.remote(1) for r in ranks])
+    parts = ray_cluster.get([r.publish_weights.remote(1) for r in ranks])
     gathered = ray_cluster.get([r.full_state_dict.remote() for r in ranks])[0]  # one full gather, for comparison
     ray_cluster.get([r.shutdown.remote() for r in ranks])
-    assert bundles[1] is None and len(bundles[0].buckets) > 5
-    published = dict(sync.unpack(bundles[0])[0])
+    # both ranks staged buckets (object_store), in shares within one bucket's size of each other
+    shares = [part.num_bytes for part in parts]
+    largest_bucket = max(sum(s.num_bytes for s in b.specs) for part in parts for b in part.buckets)
+    assert min(shares) > 0 and abs(shares[0] - shares[1]) <= largest_bucket
+    bundle = sync.WeightBundle.merge(parts)
+    assert len(bundle.buckets) > 5 and [b.index for b in bundle.buckets] == list(range(len(bundle.buckets)))
+    published = dict(sync.unpack(bundle)[0])
     # streamed bucket by bucket from the shards: bit for bit the full gather
     assert set(published) == set(gathered)
     assert all(torch.equal(published[name], gathered[name]) for name in published)
@@ -115,3 +120,33 @@ def test_a_non_finite_loss_skips_the_update_and_training_goes_on(tiny_model_dir,
     finally:
         worker.shutdown()
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_is_sharded_in_the_served_dtype_and_loads_in_transformers(tiny_model_dir, tmp_path, dtype):
+    """Bucket-sized shards with save_pretrained's names and index; transformers loads the trainer's weights."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = RunConfig()
+    cfg.device, cfg.model.dtype, cfg.sync.bucket_mb = "cpu", dtype, 1.0
+    threads = torch.get_num_threads()
+    worker = TrainerWorker(cfg, str(tiny_model_dir), 0, 1, "127.0.0.1", free_port())
+    try:
+        expected = {name: t.to(getattr(torch, dtype)) for name, t in worker.full_state_dict().items()}
+        folder = tmp_path / "export"
+        assert worker.export(str(folder)) == str(folder)
+    finally:
+        worker.shutdown()
+        torch.set_num_threads(threads)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert set(index["weight_map"].values()) == set(files) and "lm_head.weight" not in index["weight_map"]
+    assert json.loads((folder / "config.json").read_text())["dtype"] == dtype
+    assert not (folder.parent / "export.partial").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert set(loaded) == set(expected)
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name

@@ -135,6 +135,28 @@ def test_buckets_are_bounded_and_keep_order():
     assert sync.plan_buckets(sizes, bucket_bytes=10**6) == [list(sizes)]
 
 
+def test_senders_share_buckets_by_bytes():
+    assert sync.assign_senders([500, 500, 260, 240], senders=2) == [0, 1, 0, 1]
+    assert sync.assign_senders([100, 10, 10, 10], senders=2) == [0, 1, 1, 1]
+    assert sync.assign_senders([5, 5, 5], senders=1) == [0, 0, 0]
+
+
+def test_parts_from_several_senders_merge_in_bucket_order(ray_cluster):
+    state = {f"w{i}": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each: one bucket each
+    groups = list(state.items())
+    owners = sync.assign_senders([400] * 5, senders=2)
+    parts = [sync.pack_buckets(({n: t} if owners[i] == rank else None for i, (n, t) in enumerate(groups)), 4)
+             for rank in (1, 0)]
+    assert [[b.index for b in part.buckets] for part in parts] == [[1, 3], [0, 2, 4]]
+    tensors, _ = sync.unpack(sync.WeightBundle.merge(parts))
+    assert [n for n, _ in tensors] == list(state) and all(torch.equal(t, state[n]) for n, t in tensors)
+    with pytest.raises(sync.WeightSyncError, match="do not fit together"):
+        sync.WeightBundle.merge(parts[1:])  # a rank's part is missing
+    stale = sync.WeightBundle(3, parts[0].transport, parts[0].buckets, parts[0].num_bytes)
+    with pytest.raises(sync.WeightSyncError, match="do not fit together"):
+        sync.WeightBundle.merge([stale, parts[1]])
+
+
 def test_unknown_transport_names_allowed_values():
     with pytest.raises(ValueError, match="allowed values are object_store, shm_file, collective, tpu_sync"):
         sync.make_transport("nccl")
@@ -142,7 +164,7 @@ def test_unknown_transport_names_allowed_values():
 
 def bundle_named(names: list[str]) -> sync.WeightBundle:
     specs = tuple(sync.TensorSpec(n, "float32", (1,)) for n in names)
-    return sync.WeightBundle(7, "object_store", (sync.Bucket(specs, "", None),), 4 * len(names))
+    return sync.WeightBundle(7, "object_store", (sync.Bucket(specs, "", None, 0),), 4 * len(names))
 
 
 HF_LAYER = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
