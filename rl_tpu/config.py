@@ -77,6 +77,8 @@ class ModelConfig:
     path: Optional[str] = None  # a Hugging Face causal-LM folder; when unset the tiny preset is built
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: DType = DType.float32  # parameter dtype in trainer and sampler; fp32 keeps logprob parity
+    # bf16: keep the residual stream in fp32 in the trainer and the CPU engine (halves the logprob gap)
+    fp32_residual: bool = True
 
 
 @dataclass

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rl_tpu.device import Device
+from rl_tpu.precision import keep_residual_fp32
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -31,23 +32,35 @@ def apply_compile(model: nn.Module, device: Device) -> None:
         layer.compile(backend=device.compile_backend, fullgraph=False)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
-    """`fully_shard` each decoder block, then the root (embeddings, final norm, head)."""
+def apply_fp32_residual(model: nn.Module) -> None:
+    keep_residual_fp32(model, decoder_layers(model))
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, cast_block_inputs: bool = True) -> None:
+    """`fully_shard` each decoder block, then the root (embeddings, final norm, head).
+
+    `cast_block_inputs=False` leaves a block's inputs in their dtype (an fp32 residual stream)."""
     low_precision = param_dtype != torch.float32
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype if low_precision else None,
                                      reduce_dtype=torch.float32 if low_precision else None)
+    block_policy = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+                                        cast_forward_inputs=cast_block_inputs)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # The last block's parameters are needed again at once by the root's backward: keep them.
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(layer, mesh=mesh, mp_policy=block_policy, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 def parallelize(model: nn.Module, device: Device, mesh: DeviceMesh, param_dtype: torch.dtype,
-                activation_checkpointing: bool, compile: bool) -> nn.Module:
+                activation_checkpointing: bool, compile: bool, fp32_residual: bool = False) -> nn.Module:
+    """`fp32_residual` applies to low-precision parameters only (in fp32 everything is fp32 already)."""
+    fp32_residual = fp32_residual and param_dtype != torch.float32
+    if fp32_residual:
+        apply_fp32_residual(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model, device)
-    apply_fsdp(model, mesh, param_dtype)
+    apply_fsdp(model, mesh, param_dtype, cast_block_inputs=not fp32_residual)
     return model

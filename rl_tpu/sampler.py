@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from rl_tpu.actor_logs import actor_name, send_output_to_file
 from rl_tpu.metrics import peak_rss_mb
 from rl_tpu.placement import require_model_on_node, where_am_i
+from rl_tpu.precision import keep_vllm_residual_fp32
 from rl_tpu.rollout import Rollout
 from rl_tpu.sync import WeightBundle, WeightSyncError, check_names, unpack
 
@@ -51,6 +52,7 @@ class EngineOptions:
     sleep_mode: bool = False  # CUDA, colocated: release the device while the trainer trains
     gpu_memory_utilization: float | None = None  # None: vLLM's default
     enforce_eager: bool = True  # false: vLLM captures CUDA graphs (slower start, faster decoding)
+    fp32_residual: bool = False  # bf16 on CPU: the residual stream in fp32, as the trainer keeps it
 
 
 class Sampler:
@@ -64,6 +66,8 @@ class Sampler:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        if options.fp32_residual and dtype != "float32" and current_platform.is_cpu():
+            keep_vllm_residual_fp32()
         if kv_cache_gb is None and current_platform.is_cpu():
             raise ValueError("sampler.kv_cache_gb is required on CPU (vLLM would otherwise claim most of the RAM)")
         engine_args = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}

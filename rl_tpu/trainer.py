@@ -104,7 +104,7 @@ class TrainerWorker:
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=torch.float32)
         param_dtype = getattr(torch, value_of(self.cfg.model.dtype))
         model = parallelize(model, self.device, mesh, param_dtype, self.cfg.trainer.activation_checkpointing,
-                            self.cfg.trainer.compile)
+                            self.cfg.trainer.compile, self.cfg.model.fp32_residual)
         model.to_empty(device=self.device.torch_device)
         full = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if self.rank == 0 else None
         set_model_state_dict(model, full.state_dict() if full is not None else {},

@@ -140,7 +140,7 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
     max_len = cfg.data.max_prompt_length + s.response_length
     restarts = s.max_restarts if workers.samplers.recovery else 0
     for engine in range(plan.num_engines):
-        options = EngineOptions(engine, log_dir, plan.engines_sleep, memory, s.enforce_eager)
+        options = EngineOptions(engine, log_dir, plan.engines_sleep, memory, s.enforce_eager, cfg.model.fp32_residual)
         ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
         workers.samplers.engines.append(
             launch_sampler(str(model_path), value_of(cfg.model.dtype), max_len, s.kv_cache_gb, s.seed + engine,
