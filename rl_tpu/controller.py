@@ -295,7 +295,7 @@ def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]
     if cfg.data.train_batch_size > len(train_examples):
         raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the "
                          f"{len(train_examples)} usable prompts of {cfg.data.train_files or 'the arithmetic task'}")
-    check_decoder(model_path)
+    check_decoder(model_path, cfg.model.fp32_residual and value_of(cfg.model.dtype) != "float32")
 
 
 def start_ray(cfg: RunConfig) -> None:

@@ -139,3 +139,16 @@ def test_a_signal_is_recorded_and_a_second_one_stops_at_once():
         with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the previous handlers are back
+
+
+def test_a_model_whose_norms_fp32_residual_cannot_replace_is_refused_before_ray(tmp_path):
+    from transformers import GemmaConfig
+
+    gemma = tmp_path / "gemma"
+    GemmaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=4).save_pretrained(gemma)
+    few = [Example([1], "src", "1", {})] * 8
+    with pytest.raises(TypeError, match=r"GemmaRMSNorm at .input_layernorm.*set model.fp32_residual=false"):
+        check_inputs(compose_run("data.train_batch_size=4", "model.dtype=bfloat16"), gemma, few)
+    check_inputs(compose_run("data.train_batch_size=4", "model.dtype=bfloat16", "model.fp32_residual=false"), gemma, few)
+    check_inputs(compose_run("data.train_batch_size=4"), gemma, few)  # fp32: nothing to replace

@@ -38,18 +38,25 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
     return folder
 
 
-def check_decoder(model_path: Path) -> None:
-    """The trainer shards `model.model.layers` block by block: check a model has them (built on the meta device)."""
+def check_decoder(model_path: Path, fp32_residual: bool = False) -> None:
+    """The trainer shards `model.model.layers` block by block (and, with `fp32_residual`, replaces their
+    RMSNorms): check a model has them, built on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rl_tpu.parallelize import decoder_layers
+    from rl_tpu.precision import keep_residual_fp32
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     try:
-        decoder_layers(model)
+        layers = decoder_layers(model)
     except TypeError as err:
         raise TypeError(f"model.path={model_path}: {err}; rl_tpu trains Llama/Qwen-style decoders") from err
+    if fp32_residual:
+        try:
+            keep_residual_fp32(model, layers)
+        except TypeError as err:
+            raise TypeError(f"model.path={model_path}: {err}") from err
 
 
 def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> None:
