@@ -3,7 +3,8 @@
 Why: in bf16, each side rounds the residual stream (the running sum of every block's output) to
 bf16 after every add, and the two sides round differently. Over the 24 layers of a 0.5B model
 this rounding is most of the sampler-trainer logprob gap: 8.1e-3 nats per token with both sides
-bf16, 4.4e-3 with the sum kept in fp32 on both, at the same speed on CPU (`benchmarks/README.md`).
+bf16, 4.2e-3 with the sum kept in fp32 on both; generation is as fast, a CPU train step took
+1.06-1.31x as long in a noisy comparison (`benchmarks/README.md`, logprob_gap.py).
 Everything else (weights, matmuls, attention, the activations between them) stays bf16; this is
 Megatron's `fp32_residual_connection`, for Hugging Face decoders and vLLM's RMSNorm.
 
