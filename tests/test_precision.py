@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import random
 
-import pytest
 import torch
 
 from rl_tpu.config import RunConfig
