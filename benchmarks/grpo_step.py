@@ -1,29 +1,39 @@
-"""Seconds per GRPO step on DESIGN.md's reference workload, with 1 and 2 trainer threads.
+"""Seconds per GRPO step on DESIGN.md's reference workload: sync and async, fp32 and bf16, 1 and 2 engine
+threads, side by side with Hugging Face TRL's GRPOTrainer (`--peer trl`).
 
-The workload, exactly (shared with the peer benchmark, so nothing here may drift): the
-reference byte-level BPE tokenizer (vocab 512, digits not split) and Qwen3 model (3.28M
-parameters, fp32, random init with seed 0, no warm start); 1,024 problems drawn with
-`random.Random(0)` (`a=randint(0,99); b=randint(0,99); op=choice("+-*")`); 16 prompts x 8
-completions, at most 32 new tokens, temperature 1, top_p 1, top_k off; AdamW at a constant
-1e-5, no KL term, grad-norm clip 1.0, one optimizer step per batch.
+The workload, exactly (shared with the peer, benchmarks/peer_trl.py, so nothing here may drift): the
+reference byte-level BPE tokenizer (vocab 512, digits not split) and Qwen3 model (3.28M parameters,
+random init with seed 0, no warm start); 1,024 problems drawn with `random.Random(0)`
+(`a=randint(0,99); b=randint(0,99); op=choice("+-*")`); 16 prompts x 8 completions, at most 32 new
+tokens, temperature 1, top_p 1, top_k off; AdamW at a constant 1e-5, no KL term, grad-norm clip 1.0,
+one optimizer step per batch.
 
-Each step is the full synchronous loop through the real parts (vLLM sampler actor, FSDP2
-trainer actor, reward worker pool, weight sync over the object store). Figures: median of
-`--steps` steps after `--warmup`, generation and training tokens/s, peak RSS of the driver,
-trainer and sampler processes, and the load average; the 2-thread figures are also given as
-ratios to the 1-thread run measured in the same invocation.
+Each rl_tpu variant runs the controller's loop through the real parts (vLLM sampler actor, FSDP2
+trainer actor, reward worker pool, weight sync over the object store): `sync` is
+`trainer.max_staleness=0` with both sides free to use every core in turn, `async` is
+`max_staleness=1` with trainer and engine pinned to cores of their own when they fit
+(`pin_cores=auto`). Figures per variant: s/step (median, min, max of `--steps` after `--warmup`),
+generated and trained tokens/s, each side's idle seconds, the trainer's FLOP/s (6 x parameters x
+trained positions per train second) as a fraction of a matmul's peak measured in this run on as many
+threads, and the load average. With `--peer trl`, TRL runs the same workload in its own virtual
+environment (made on request, never in CI) in fp32 and bf16, and then the best rl_tpu fp32 and bf16
+variants and TRL's alternate, A B A B, with the ratio of each pair printed.
 
-    python benchmarks/grpo_step.py          # about 2 minutes; writes benchmarks/results/grpo_step.json
+    python benchmarks/grpo_step.py                 # rl_tpu's variants, about 10 minutes
+    python benchmarks/grpo_step.py --peer trl      # and TRL side by side (first run builds its venv)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from record import write_record  # beside this script
@@ -60,22 +70,66 @@ def build_workload(folder: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def reference_config(model: Path, data: Path, threads: int) -> RunConfig:
+@dataclass(frozen=True)
+class Variant:
+    mode: str  # sync | async
+    dtype: str  # float32 | bfloat16
+    trainer_threads: int
+    engine_threads: int
+    compile: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"{self.mode} {'fp32' if self.dtype == 'float32' else 'bf16'} trainer {self.trainer_threads}t "
+                f"engine {self.engine_threads}t{' compiled' if self.compile else ''}")
+
+
+# sync: the sides take turns, so each may use both cores; async: one core each (pinned), or the engine on two
+VARIANTS = [Variant(mode, dtype, 2 if mode == "sync" else 1, engine, compiled)
+            for dtype in ("float32", "bfloat16") for mode in ("sync", "async") for engine in (1, 2)
+            for compiled in (False, True) if not compiled or (engine == 1 and mode == "async")]
+
+
+def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
     cfg = RunConfig()
     cfg.model.path = str(model)
+    cfg.model.dtype = variant.dtype
     cfg.data.train_files = cfg.data.val_files = str(data)
     cfg.data.train_batch_size = 16
     cfg.sampler.n, cfg.sampler.response_length, cfg.sampler.temperature = 8, 32, 1.0
     cfg.sampler.top_p, cfg.sampler.top_k = 1.0, -1
+    cfg.sampler.threads = variant.engine_threads
     cfg.algorithm.lr, cfg.algorithm.warmup_steps, cfg.algorithm.grad_clip = 1e-5, 0, 1.0
     cfg.actor.use_kl_loss = False
-    cfg.trainer.world_size, cfg.trainer.threads_per_rank = 1, threads
+    cfg.trainer.world_size, cfg.trainer.threads_per_rank = 1, variant.trainer_threads
+    cfg.trainer.max_staleness = 1 if variant.mode == "async" else 0
+    cfg.trainer.compile = variant.compile
+    cfg.trainer.total_steps = 10**6  # the queue stops at total_steps
     cfg.reward.name = "arithmetic"
     return cfg
 
 
-def measure(cfg: RunConfig, model: Path, run_dir: Path, steps: int, warmup: int) -> dict:
-    """The steps' figures; `run_dir` takes the actors' logs and placement.json."""
+def parameter_count(model: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+
+
+def matmul_peak(threads: int, dtype: str, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` square matmuls on `threads` threads, in a process of its own."""
+    code = (f"import torch, time; torch.set_num_threads({threads}); a = torch.randn({size}, {size}, dtype=torch.{dtype})"
+            f"; b = a.clone(); a @ b; best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) "
+            f"for _ in range({repeats})); print(2 * {size}**3 / best)")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                env=env).stdout)
+
+
+def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int, warmup: int) -> dict:
+    """One variant's figures, through the controller's own loop (its rollout queue and step)."""
+    cfg = reference_config(model, data, variant)
     run_dir.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
@@ -83,15 +137,17 @@ def measure(cfg: RunConfig, model: Path, run_dir: Path, steps: int, warmup: int)
     tokenizer = AutoTokenizer.from_pretrained(model)
     examples = load_examples(cfg.data.train_files, tokenizer, cfg.data)
     grader = Grader(cfg.reward)
+    load_before = os.getloadavg()
     workers = start_workers(cfg, model, run_dir, "cpu")
-    layout = workers.reservation.plan.layout
     rows = []
     try:
-        prompt_batches = batches(examples, cfg.data.train_batch_size, cfg.data.seed)
+        queue = controller.RolloutQueue(workers, batches(examples, cfg.data.train_batch_size, cfg.data.seed), cfg, 1)
         for step in range(1, warmup + steps + 1):
-            prompts = next(prompt_batches)
-            rows.append(controller.grpo_step(step, prompts, controller.generate_batch(workers, prompts, cfg, step), workers,
-                                             tokenizer, grader, cfg))
+            prompts, pending = queue.pop(step)
+            rows.append(controller.grpo_step(step, prompts, pending, workers, tokenizer, grader, cfg))
+            if step < warmup + steps:
+                queue.fill_through(step + 1)
+        pinned = json.loads((run_dir / "placement.json").read_text())
     finally:
         workers.shutdown()
         grader.close()
@@ -100,46 +156,105 @@ def measure(cfg: RunConfig, model: Path, run_dir: Path, steps: int, warmup: int)
     def median(key: str) -> float:
         return statistics.median(r[key] for r in timed)
 
+    step_s = [r["time/step_s"] for r in timed]
     return {
-        "threads": cfg.trainer.threads_per_rank,
-        "engines": cfg.sampler.num_engines,
-        "layout": layout,
-        "step_s": median("time/step_s"),
-        "generate_s": median("time/generate_s"),
-        "reward_s": median("time/reward_s"),
-        "train_s": median("time/train_step_s"),
-        "sync_s": median("time/sync_s"),
-        "gen_tokens_per_s": median("perf/gen_tokens_per_s"),
-        "train_tokens_per_s": median("perf/train_tokens_per_s"),
+        "variant": variant.name, **variant.__dict__,
+        "step_s": statistics.median(step_s), "step_s_min": min(step_s), "step_s_max": max(step_s), "step_s_each": step_s,
+        "generate_wait_s": median("time/generate_s"), "reward_s": median("time/reward_s"),
+        "train_s": median("time/train_s"), "sync_s": median("time/sync_s"),
+        "trainer_idle_s": median("time/trainer_idle_s"),
+        "sampler_idle_s": statistics.median(r.get("time/sampler_idle_s", float("nan")) for r in timed),
+        "gen_tokens_per_step": median("perf/train_tokens"),
+        "train_positions_per_step": median("perf/train_positions"),
+        "padding_frac": median("perf/padding_frac"),
         "trainer_peak_rss_mb": max(r["perf/trainer_peak_rss_mb"] for r in rows),
         "sampler_peak_rss_mb": max(r["perf/sampler_peak_rss_mb"] for r in rows),
-        "step_s_each": [r["time/step_s"] for r in timed],
+        "staleness": median("rollout/staleness"),
+        "actors": [{k: a.get(k) for k in ("actor", "pid")} for a in pinned["actors"]],
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
     }
+
+
+def add_rates(run: dict, params: int, peaks: dict) -> None:
+    """Tokens/s over the step, and the trainer's FLOP/s against the matmul peak on its thread count."""
+    run["gen_tokens_per_s"] = run["gen_tokens_per_step"] / run["step_s"]
+    run["train_flop_per_s"] = 6 * params * run["train_positions_per_step"] / run["train_s"]
+    peak = peaks[f"{run['dtype']}_{run['trainer_threads']}t"]
+    run["train_flop_of_peak"] = run["train_flop_per_s"] / peak
+
+
+def run_trl(python: Path, model: Path, data: Path, bf16: bool, steps: int, warmup: int, out: Path) -> dict:
+    command = [str(python), str(REPO / "benchmarks" / "peer_trl.py"), "--model", str(model), "--data", str(data),
+               "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", "--out", str(out)]
+    subprocess.run(command + (["--bf16"] if bf16 else []), check=True, timeout=3600)
+    record = json.loads(out.read_text())
+    return {**record, "variant": f"TRL {'bf16' if bf16 else 'fp32'} 2t", "dtype": "bfloat16" if bf16 else "float32"}
+
+
+def show(run: dict) -> None:
+    extra = ""
+    if "train_s" in run:
+        extra = (f" | generate wait {run['generate_wait_s']:.3f}, train {run['train_s']:.3f}, sync {run['sync_s']:.3f}; "
+                 f"idle trainer {run['trainer_idle_s']:.3f} sampler {run['sampler_idle_s']:.3f}; train "
+                 f"{run['train_flop_per_s'] / 1e9:.0f} GFLOP/s = {run['train_flop_of_peak']:.2f} of peak; padding "
+                 f"{run['padding_frac']:.1%}")
+    print(f"{run['variant']:<42} {run['step_s']:.3f} s/step (min {run.get('step_s_min', run.get('min')):.3f}, max "
+          f"{run.get('step_s_max', run.get('max')):.3f}){extra}; load {run['load_average_after'][0]:.2f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS],
+                        help="names as printed, e.g. 'async bf16 trainer 1t engine 1t'")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--peer", choices=["trl"], help="also run Hugging Face TRL's GRPOTrainer (own venv)")
+    parser.add_argument("--pairs", type=int, default=2, help="A B rounds of the best variants against TRL")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "grpo_step.json")
     args = parser.parse_args()
+    chosen = [v for v in VARIANTS if v.name in args.variants]
+    unknown = set(args.variants) - {v.name for v in VARIANTS}
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {[v.name for v in VARIANTS]}")
     load_before = os.getloadavg()
+    trl_python = None
+    if args.peer == "trl":
+        import peer_trl  # beside this script; imports neither torch nor TRL
+
+        trl_python = peer_trl.make_venv()
+    peaks = {f"{dtype}_{t}t": matmul_peak(t, dtype) for dtype in ("float32", "bfloat16") for t in (1, 2)}
+    print("matmul peak GFLOP/s: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()), flush=True)
+    runs, pairs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model, data = build_workload(Path(tmp))
-        base = reference_config(model, data, args.threads[0])
-        controller.start_ray(base)
-        runs = [measure(reference_config(model, data, t), model, Path(tmp) / f"run-{t}-threads", args.steps,
-                        args.warmup) for t in args.threads]
-    for run in runs:
-        run["step_s_vs_first"] = run["step_s"] / runs[0]["step_s"]
-        print(f"{run['threads']} thread(s): {run['step_s']:.3f} s/step (generate {run['generate_s']:.3f}, reward "
-              f"{run['reward_s']:.3f}, train {run['train_s']:.3f}, sync {run['sync_s']:.3f}); "
-              f"{run['gen_tokens_per_s']:,.0f} generated tokens/s, {run['train_tokens_per_s']:,.0f} trained tokens/s; "
-              f"peak RSS trainer {run['trainer_peak_rss_mb']:.0f} MiB, sampler {run['sampler_peak_rss_mb']:.0f} MiB; "
-              f"{run['step_s_vs_first']:.2f} x the {runs[0]['threads']}-thread step time")
-    record = write_record(args.out, load_before, steps=args.steps, warmup=args.warmup,
-                          driver_peak_rss_mb=peak_rss_mb(), runs=runs)
+        params = parameter_count(model)
+        controller.start_ray(reference_config(model, data, chosen[0]))
+
+        def rl_tpu(variant: Variant, tag: str) -> dict:
+            run = measure(variant, model, data, Path(tmp) / f"run-{len(runs) + len(pairs)}", args.steps, args.warmup)
+            add_rates(run, params, peaks)
+            run["round"] = tag
+            show(run)
+            return run
+
+        def trl(bf16: bool, tag: str) -> dict:
+            run = run_trl(trl_python, model, data, bf16, args.steps, args.warmup, Path(tmp) / "trl.json")
+            run["round"] = tag
+            show(run)
+            return run
+
+        runs = [rl_tpu(v, "grid") for v in chosen]
+        if trl_python:
+            runs += [trl(False, "grid"), trl(True, "grid")]
+            for dtype in ("float32", "bfloat16"):
+                best = min((r for r in runs if r["dtype"] == dtype and "mode" in r), key=lambda r: r["step_s"])
+                variant = next(v for v in chosen if v.name == best["variant"])
+                for i in range(args.pairs):
+                    a, b = rl_tpu(variant, f"pair {i + 1}"), trl(dtype == "bfloat16", f"pair {i + 1}")
+                    pairs.append({"rl_tpu": a, "trl": b, "ratio": a["step_s"] / b["step_s"]})
+                    print(f"pair {i + 1}: {a['variant']} / {b['variant']} = {a['step_s'] / b['step_s']:.2f}", flush=True)
+    record = write_record(args.out, load_before, steps=args.steps, warmup=args.warmup, parameters=params,
+                          matmul_peak_flop_per_s=peaks, driver_peak_rss_mb=peak_rss_mb(), runs=runs, pairs=pairs)
     print(f"driver peak RSS {record['driver_peak_rss_mb']:.0f} MiB")
 
 

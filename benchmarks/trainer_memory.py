@@ -64,7 +64,7 @@ def profile(model: Path, world_size: int, return_freed_memory: bool, args) -> di
     cfg.sync.bucket_mb = args.bucket_mb
     address, port = free_address_on(ray.get_runtime_context().get_node_id(), 60)
     cfg.trainer.return_freed_memory = return_freed_memory
-    env = {**trainer_env(cfg.trainer), **dict(kv.split("=", 1) for kv in args.env)}
+    env = {**trainer_env(cfg.trainer, model), **dict(kv.split("=", 1) for kv in args.env)}
     actor = ray.remote(ProfiledTrainer).options(num_cpus=1, runtime_env={"env_vars": env})
     ranks = [actor.remote(cfg, str(model), rank, world_size, address, port) for rank in range(world_size)]
     phases, seconds = {"start-up": ray.get([r.memory.remote() for r in ranks])}, {}

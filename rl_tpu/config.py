@@ -33,6 +33,12 @@ class Layout(str, Enum):
     disaggregated = "disaggregated"  # engines on devices of their own
 
 
+class PinCores(str, Enum):
+    auto = "auto"  # pinned on a one-host CPU run in async mode (trainer and engines compute at once)
+    on = "on"  # pinned on every CPU node
+    off = "off"  # the OS schedules every actor's threads anywhere
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -115,6 +121,7 @@ class SamplerConfig:
     enforce_eager: bool = True
     seed: int = 0  # each prompt's draws at each step are seeded from this, the step and the prompt's index
     num_cpus: float = 1.0  # CPUs reserved for each engine
+    threads: Optional[int] = None  # each engine's torch / OpenMP threads; None: num_cpus, rounded (at least 1)
     num_engines: int = 1  # vLLM engines (Ray actors); each receives every weight version and a share of each batch
     # place engines only on Ray nodes with these labels (`ray start --labels=role=sampler`); {}: anywhere
     node_labels: dict[str, str] = field(default_factory=dict)
@@ -158,13 +165,19 @@ class TrainerConfig:
     logprob_chunk_size: int = 32
     # pad prompt and response lengths up to these sizes, so compiled graphs are reused (TPU); []: no padding
     seq_buckets: list[int] = field(default_factory=list)
-    compile: bool = False
+    compile: bool = False  # torch.compile each decoder block (inductor; the first step compiles, ~1 min on CPU)
     threads_per_rank: int = 1
+    # the trainer model's attention: eager, sdpa, flash_attention_2 ...; None: eager for bf16 on CPU (PyTorch's
+    # bf16 CPU flash-attention backward is slow: benchmarks/README.md), else sdpa
+    attn_implementation: Optional[str] = None
+    # micro-batches of sequences of similar lengths (padding costs compute); the loss does not depend on the order
+    sort_by_length: bool = True
     # Host allocations of 1 MiB or more are mapped and unmapped on their own, so freed memory goes back to the
     # OS at once (glibc's MALLOC_MMAP_THRESHOLD_): otherwise freed parameter-sized blocks stay in the heap and a
     # rank's memory stops scaling with the world size. Real-size benchmark: 37% lower peak per rank at world
-    # size 2, CPU train steps 10-20% slower (benchmarks/README.md, trainer_memory.py)
-    return_freed_memory: bool = True
+    # size 2, CPU train steps 10-20% slower (benchmarks/README.md, trainer_memory.py). None: on for models
+    # whose weight files hold 256 MiB or more; on the 3.3M reference model it doubled the train step
+    return_freed_memory: Optional[bool] = None
     # place trainer ranks only on Ray nodes with these labels (`ray start --labels=role=trainer`); {}: anywhere
     node_labels: dict[str, str] = field(default_factory=dict)
     total_steps: int = 100
@@ -241,6 +254,7 @@ class RayConfig:
 class RunConfig:
     device: DeviceKind = DeviceKind.auto  # auto: what the Ray cluster has (GPU, then TPU), else the CPU
     placement: Layout = Layout.auto  # where trainer ranks and engines run (rl_tpu/placement.py)
+    pin_cores: PinCores = PinCores.auto  # CPU: each actor's threads on cores of their own (rl_tpu/cpu_binding.py)
     seed: int = 0
     cache_dir: Optional[str] = None  # built models and datasets; default ~/.cache/rl_tpu
     model: ModelConfig = field(default_factory=ModelConfig)

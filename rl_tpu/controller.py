@@ -139,6 +139,7 @@ def grpo_step(step: int, prompts: list[Example], pending: PendingRollouts, worke
                                      [r.logprobs for r in rollouts], advantages, cfg.sampler.temperature, is_threshold))
     t3 = time.perf_counter()
     bundle = workers.publish(step)
+    published = time.perf_counter()
     received = workers.install(bundle)
     t4 = time.perf_counter()
     gen_tokens = sum(len(r.completion_ids) for r in rollouts)
@@ -155,6 +156,9 @@ def grpo_step(step: int, prompts: list[Example], pending: PendingRollouts, worke
         "time/train_step_s": t3 - t2,
         "time/sync_s": t4 - t3,
         "time/step_s": t4 - t0,
+        # no rank computed: waiting for rollouts, grades and the engines' install (async mode hides generation)
+        "time/trainer_idle_s": max(0.0, (t4 - t0) - train["time/train_s"] - (published - t3)),
+        **{k: v for k, v in received.items() if k.startswith("time/")},  # time/sampler_idle_s
         "perf/gen_tokens_per_s": gen_tokens / (t1 - t0),
         "perf/train_tokens_per_s": train["perf/train_tokens"] / train["time/train_s"],
         "rollout/weight_version": float(oldest_used),

@@ -115,9 +115,10 @@ def make_plan(cfg: RunConfig, kind: str, cluster: dict[str, float], accelerator:
 def check_request(cfg: RunConfig) -> None:
     """The placement settings that can be checked before Ray starts; each error names the key."""
     s, r = cfg.sampler, cfg.ray
-    if s.num_engines < 1 or s.num_cpus <= 0 or cfg.trainer.threads_per_rank < 1:
-        raise ValueError(f"sampler.num_engines={s.num_engines} and trainer.threads_per_rank="
-                         f"{cfg.trainer.threads_per_rank} must be >= 1 and sampler.num_cpus={s.num_cpus} > 0")
+    if s.num_engines < 1 or s.num_cpus <= 0 or cfg.trainer.threads_per_rank < 1 or (s.threads or 1) < 1:
+        raise ValueError(f"sampler.num_engines={s.num_engines}, trainer.threads_per_rank="
+                         f"{cfg.trainer.threads_per_rank} and sampler.threads={s.threads} must be >= 1 (threads: "
+                         f"or null) and sampler.num_cpus={s.num_cpus} > 0")
     if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
         raise ValueError(f"sampler.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1]")
     if min(r.placement_timeout_s, r.start_timeout_s, r.call_timeout_s) <= 0:

@@ -48,5 +48,14 @@ class TrainBatch:
         return TrainBatch(self.prompt_ids[sl], self.completion_ids[sl], self.sampler_logprobs[sl],
                           self.advantages[sl], self.temperature, self.rollout_is_threshold)
 
+    def sorted_by_length(self) -> "TrainBatch":
+        """The same sequences by completion length, then prompt length, so that a micro-batch pads less: each
+        pads its prompts to its longest prompt and its completions to its longest completion. A group's
+        completions share one prompt, so completion length is the key that varies most."""
+        order = sorted(range(len(self)), key=lambda i: (len(self.completion_ids[i]), len(self.prompt_ids[i])))
+        return TrainBatch([self.prompt_ids[i] for i in order], [self.completion_ids[i] for i in order],
+                          [self.sampler_logprobs[i] for i in order], [self.advantages[i] for i in order],
+                          self.temperature, self.rollout_is_threshold)
+
     def num_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)

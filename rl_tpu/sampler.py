@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from rl_tpu.actor_logs import actor_name, send_output_to_file
+from rl_tpu.cpu_binding import CpuBinding
 from rl_tpu.metrics import peak_rss_mb
 from rl_tpu.placement import require_model_on_node, where_am_i
 from rl_tpu.precision import keep_vllm_residual_fp32
@@ -53,6 +54,7 @@ class EngineOptions:
     gpu_memory_utilization: float | None = None  # None: vLLM's default
     enforce_eager: bool = True  # false: vLLM captures CUDA graphs (slower start, faster decoding)
     fp32_residual: bool = False  # bf16 on CPU: the residual stream in fp32, as the trainer keeps it
+    binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
 
 
 class Sampler:
@@ -63,6 +65,8 @@ class Sampler:
         require_model_on_node(self.name, model_path)
         for key, value in SAMPLER_ENV.items():
             os.environ.setdefault(key, value)
+        # before vLLM starts: its CPU worker binds nothing in-process, and disables torch.set_num_threads
+        options.binding.apply(self.name)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -89,6 +93,7 @@ class Sampler:
             **engine_args,
         )
         self.version = 0
+        self.busy_s = 0.0  # seconds spent generating and installing, since start
         # what the engine holds (fused names included): every install must fill all of it
         self.engine_params = set(self.llm.collective_rpc(engine_parameter_names)[0])
         if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
@@ -114,7 +119,9 @@ class Sampler:
             max_tokens=settings.max_tokens,
             logprobs=0 if settings.logprobs else None,
             seed=seed,
+            detokenize=False,  # rollouts carry token ids; the grader decodes them (saves per-token work)
         ) for seed in (seeds if seeds is not None else [None] * len(prompts))]
+        start = time.perf_counter()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         rollouts = []
         for group, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
@@ -125,6 +132,7 @@ class Sampler:
                     if settings.logprobs else [0.0] * len(ids)
                 )
                 rollouts.append(Rollout(list(prompt), ids, logprobs, self.version, completion.finish_reason or "length", group))
+        self.busy_s += time.perf_counter() - start
         return rollouts
 
     def install(self, bundle: WeightBundle) -> dict[str, float]:
@@ -140,8 +148,9 @@ class Sampler:
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         self.version = bundle.version
+        self.busy_s += time.perf_counter() - start
         return {**timings, "install_s": time.perf_counter() - installed, "receive_s": time.perf_counter() - start,
-                "peak_rss_mb": peak_rss_mb(), "version": self.version}
+                "peak_rss_mb": peak_rss_mb(), "version": self.version, "busy_s": self.busy_s}
 
     def sleep(self) -> None:
         """Give the device to the trainer: weights to host memory, KV cache dropped (sleep mode only)."""
@@ -186,6 +195,6 @@ def launch_sampler(model_path: str, dtype: str, max_model_len: int, kv_cache_gb:
 
     return (
         ray.remote(Sampler)
-        .options(**(ray_options or {"num_cpus": 1}), runtime_env={"env_vars": SAMPLER_ENV})
+        .options(**(ray_options or {"num_cpus": 1}), runtime_env={"env_vars": {**SAMPLER_ENV, **options.binding.env()}})
         .remote(model_path, dtype, max_model_len, kv_cache_gb, seed, options)
     )

@@ -14,6 +14,7 @@ so the replacement draws the same tokens the lost engine would have: no sample i
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -100,6 +101,8 @@ class SamplerPool:
     recovery: EngineRecovery | None = None  # None: a lost engine ends the call with an error
     version: int = 0  # the weight version every engine serves
     lives: dict[int, int] = field(default_factory=dict)  # engine -> times it was brought back
+    # at the last install: when it returned, and each engine's busy seconds then (for the idle time between installs)
+    last_install: tuple[float, list[float]] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -137,7 +140,17 @@ class SamplerPool:
         self.version = bundle.version
         metrics = {f"sampler/engine_{i}/weight_version": float(r["version"]) for i, r in enumerate(received)}
         return {**received[0], "peak_rss_mb": max(r["peak_rss_mb"] for r in received), **metrics,
-                "sampler/restarts": float(self.restarts)}
+                "sampler/restarts": float(self.restarts), **self._idle_since_last_install(received)}
+
+    def _idle_since_last_install(self, received: list[dict]) -> dict[str, float]:
+        """`time/sampler_idle_s`: seconds since the previous install in which the engines (on average) neither
+        generated nor installed. A restarted engine's count starts again; it is left out for that install."""
+        now, busy = time.perf_counter(), [r["busy_s"] for r in received]
+        last, self.last_install = self.last_install, (now, busy)
+        if last is None or len(last[1]) != len(busy) or any(b < a for a, b in zip(last[1], busy)):
+            return {}
+        window, worked = now - last[0], statistics.fmean(b - a for a, b in zip(last[1], busy))
+        return {"time/sampler_idle_s": max(0.0, window - worked)}
 
     def wait(self, engine: int, ref, life: int, send_again: Callable[[], object], what: str, deadline: float,
              reinstall: bool = True, restarted: Callable[[object], str | None] = lambda answer: None):

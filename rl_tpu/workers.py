@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 
-from rl_tpu import placement
+from rl_tpu import cpu_binding, placement
 from rl_tpu.actor_logs import actor_name
 from rl_tpu.config import RunConfig, TrainerConfig, value_of
 from rl_tpu.rollout import TrainBatch
@@ -101,8 +102,9 @@ def start_workers(cfg: RunConfig, model_path: Path, run_dir: Path, kind: str,
     try:
         check_transport_reach(cfg, reservation)
         actor_cfg = dataclasses.replace(cfg, device=kind)  # resolved again on each actor's node
-        _start_trainers(workers, actor_cfg, model_path, log_dir)
-        _start_engines(workers, actor_cfg, model_path, log_dir)
+        trainer_cores, engine_cores = bind_cores(cfg, kind, reservation)
+        _start_trainers(workers, actor_cfg, model_path, log_dir, trainer_cores)
+        _start_engines(workers, actor_cfg, model_path, log_dir, engine_cores)
         # start-up errors (a bad model folder, a missing device) surface here, named, not at the first step
         gather([(name, actor.__ray_ready__.remote()) for name, actor in workers.actors()],
                "starting the actors", cfg.ray.start_timeout_s, log_dir)
@@ -117,30 +119,54 @@ def start_workers(cfg: RunConfig, model_path: Path, run_dir: Path, kind: str,
     return workers
 
 
-def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str) -> None:
+def bind_cores(cfg: RunConfig, kind: str, reservation: placement.Reservation) -> tuple[list, list]:
+    """Each trainer rank's and engine's `CpuBinding` (threads, and cores when `pin_cores` pins them)."""
+    plan = reservation.plan
+    trainer_nodes = [reservation.trainer_node(r) for r in range(cfg.trainer.world_size)]
+    engine_nodes = [reservation.sampler_node(e) for e in range(plan.num_engines)]
+    here = ray.get_runtime_context().get_node_id()
+    node_cores = {node["NodeID"]: int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node["Alive"]}
+    if here in node_cores:  # this host's real cores (a local cluster counts one more CPU than it has)
+        node_cores[here] = len(os.sched_getaffinity(0))
+    one_host = set(trainer_nodes + engine_nodes) == {here}
+    pin = cpu_binding.should_pin(cfg, kind, one_host)
+    return cpu_binding.bind(cfg, trainer_nodes, engine_nodes, pin, node_cores)
+
+
+def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
     reservation = workers.reservation
     master_addr, master_port = placement.free_address_on(reservation.trainer_node(0), cfg.ray.start_timeout_s)
     trainer_cls = ray.remote(TrainerWorker)
-    for rank in range(cfg.trainer.world_size):
+    for rank, binding in enumerate(bindings):
         options = reservation.trainer_options(rank)
+        env = {**trainer_env(cfg.trainer, model_path), **binding.env()}
         workers.trainers.append(
-            trainer_cls.options(**options, runtime_env={"env_vars": trainer_env(cfg.trainer)})
-            .remote(cfg, str(model_path), rank, cfg.trainer.world_size, master_addr, master_port, log_dir))
+            trainer_cls.options(**options, runtime_env={"env_vars": env})
+            .remote(cfg, str(model_path), rank, cfg.trainer.world_size, master_addr, master_port, log_dir, binding))
 
 
-def trainer_env(trainer: TrainerConfig) -> dict[str, str]:
+def trainer_env(trainer: TrainerConfig, model_path: Path) -> dict[str, str]:
     """The environment of a trainer rank's process (see `trainer.return_freed_memory`)."""
     return {"OMP_NUM_THREADS": str(trainer.threads_per_rank),
-            **({"MALLOC_MMAP_THRESHOLD_": str(2**20)} if trainer.return_freed_memory else {})}
+            **({"MALLOC_MMAP_THRESHOLD_": str(2**20)} if returns_freed_memory(trainer, model_path) else {})}
 
 
-def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str) -> None:
+def returns_freed_memory(trainer: TrainerConfig, model_path: Path) -> bool:
+    """`trainer.return_freed_memory`, or by default whether the weight files hold 256 MiB or more: below that
+    the heap's retained blocks are small, and mapping every activation afresh costs more than it saves."""
+    if trainer.return_freed_memory is not None:
+        return trainer.return_freed_memory
+    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors")) >= 256 * 2**20
+
+
+def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
     plan, s = workers.reservation.plan, cfg.sampler
     memory = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if plan.layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
     max_len = cfg.data.max_prompt_length + s.response_length
     restarts = s.max_restarts if workers.samplers.recovery else 0
-    for engine in range(plan.num_engines):
-        options = EngineOptions(engine, log_dir, plan.engines_sleep, memory, s.enforce_eager, cfg.model.fp32_residual)
+    for engine, binding in enumerate(bindings):
+        options = EngineOptions(engine, log_dir, plan.engines_sleep, memory, s.enforce_eager, cfg.model.fp32_residual,
+                                binding)
         ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
         workers.samplers.engines.append(
             launch_sampler(str(model_path), value_of(cfg.model.dtype), max_len, s.kv_cache_gb, s.seed + engine,

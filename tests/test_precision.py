@@ -20,7 +20,8 @@ from test_algorithms import make_batch
 def bf16_model(model_dir, fp32_residual: bool) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # eager attention, as the trainer computes bf16 on CPU (trainer.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     for param in model.parameters():  # as FSDP2's mixed precision does: buffers (rotary frequencies) stay fp32
         param.data = param.data.to(torch.bfloat16)
     if fp32_residual:
