@@ -184,6 +184,10 @@ def add_rates(run: dict, params: int, peaks: dict) -> None:
 
 
 def run_trl(python: Path, model: Path, data: Path, bf16: bool, steps: int, warmup: int, out: Path) -> dict:
+    """TRL in its own process, with rl_tpu's Ray cluster stopped: its daemons would take CPU from TRL."""
+    import ray
+
+    ray.shutdown()
     command = [str(python), str(REPO / "benchmarks" / "peer_trl.py"), "--model", str(model), "--data", str(data),
                "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", "--out", str(out)]
     subprocess.run(command + (["--bf16"] if bf16 else []), check=True, timeout=3600)
@@ -228,9 +232,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model, data = build_workload(Path(tmp))
         params = parameter_count(model)
-        controller.start_ray(reference_config(model, data, chosen[0]))
 
         def rl_tpu(variant: Variant, tag: str) -> dict:
+            controller.start_ray(reference_config(model, data, variant))  # again after a TRL run stopped it
             run = measure(variant, model, data, Path(tmp) / f"run-{len(runs) + len(pairs)}", args.steps, args.warmup)
             add_rates(run, params, peaks)
             run["round"] = tag
