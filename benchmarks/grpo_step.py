@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from record import write_record  # beside this script
+from record import cpu_facts, write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -195,6 +195,19 @@ def run_trl(python: Path, model: Path, data: Path, bf16: bool, steps: int, warmu
     return {**record, "variant": f"TRL {'bf16' if bf16 else 'fp32'} 2t", "dtype": "bfloat16" if bf16 else "float32"}
 
 
+def pair_ratios(pairs: list[dict]) -> dict[str, float]:
+    """rl_tpu's best variant per dtype over TRL's in the same dtype, and bf16 over TRL's fp32 (the issue's targets)."""
+    def median_step(side: str, dtype: str) -> float | None:
+        times = [p[side]["step_s"] for p in pairs if p[side]["dtype"] == dtype]
+        return statistics.median(times) if times else None
+
+    ours = {dtype: median_step("rl_tpu", dtype) for dtype in ("float32", "bfloat16")}
+    theirs = {dtype: median_step("trl", dtype) for dtype in ("float32", "bfloat16")}
+    wanted = {"rl_tpu fp32 / TRL fp32": ("float32", "float32"), "rl_tpu bf16 / TRL bf16": ("bfloat16", "bfloat16"),
+              "rl_tpu bf16 / TRL fp32": ("bfloat16", "float32")}
+    return {name: ours[a] / theirs[b] for name, (a, b) in wanted.items() if ours[a] and theirs[b]}
+
+
 def show(run: dict) -> None:
     extra = ""
     if "train_s" in run:
@@ -214,9 +227,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--peer", choices=["trl"], help="also run Hugging Face TRL's GRPOTrainer (own venv)")
     parser.add_argument("--pairs", type=int, default=2, help="A B rounds of the best variants against TRL")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                        help="default: float32, and bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "grpo_step.json")
     args = parser.parse_args()
-    chosen = [v for v in VARIANTS if v.name in args.variants]
+    cpu = cpu_facts()
+    dtypes = args.dtypes or (["float32", "bfloat16"] if cpu.get("native_bf16") else ["float32"])
+    if "bfloat16" not in dtypes:
+        print(f"{cpu.get('cpu')}: no native bf16 (AVX512-BF16 or AMX), where a bf16 matmul runs far below fp32; "
+              "bf16 variants left out (--dtypes float32 bfloat16 runs them)", flush=True)
+    chosen = [v for v in VARIANTS if v.name in args.variants and v.dtype in dtypes]
     unknown = set(args.variants) - {v.name for v in VARIANTS}
     if unknown:
         raise SystemExit(f"unknown variants {sorted(unknown)}; known: {[v.name for v in VARIANTS]}")
@@ -226,7 +246,7 @@ def main() -> None:
         import peer_trl  # beside this script; imports neither torch nor TRL
 
         trl_python = peer_trl.make_venv()
-    peaks = {f"{dtype}_{t}t": matmul_peak(t, dtype) for dtype in ("float32", "bfloat16") for t in (1, 2)}
+    peaks = {f"{dtype}_{t}t": matmul_peak(t, dtype) for dtype in dtypes for t in (1, 2)}
     print("matmul peak GFLOP/s: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()), flush=True)
     runs, pairs = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -249,16 +269,20 @@ def main() -> None:
 
         runs = [rl_tpu(v, "grid") for v in chosen]
         if trl_python:
-            runs += [trl(False, "grid"), trl(True, "grid")]
-            for dtype in ("float32", "bfloat16"):
+            runs += [trl(dtype == "bfloat16", "grid") for dtype in dtypes]
+            for dtype in dtypes:
                 best = min((r for r in runs if r["dtype"] == dtype and "mode" in r), key=lambda r: r["step_s"])
                 variant = next(v for v in chosen if v.name == best["variant"])
                 for i in range(args.pairs):
                     a, b = rl_tpu(variant, f"pair {i + 1}"), trl(dtype == "bfloat16", f"pair {i + 1}")
                     pairs.append({"rl_tpu": a, "trl": b, "ratio": a["step_s"] / b["step_s"]})
                     print(f"pair {i + 1}: {a['variant']} / {b['variant']} = {a['step_s'] / b['step_s']:.2f}", flush=True)
+    ratios = pair_ratios(pairs)
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f} (median of the pairs' step times)", flush=True)
     record = write_record(args.out, load_before, steps=args.steps, warmup=args.warmup, parameters=params,
-                          matmul_peak_flop_per_s=peaks, driver_peak_rss_mb=peak_rss_mb(), runs=runs, pairs=pairs)
+                          matmul_peak_flop_per_s=peaks, driver_peak_rss_mb=peak_rss_mb(), runs=runs, pairs=pairs,
+                          ratios=ratios)
     print(f"driver peak RSS {record['driver_peak_rss_mb']:.0f} MiB")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from rl_tpu import algorithms, checkpoints, placement
+from rl_tpu import algorithms, checkpoints, placement, precision
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
 from rl_tpu.device import Device
@@ -169,6 +169,7 @@ def grpo_step(step: int, prompts: list[Example], pending: PendingRollouts, worke
         "sync/bytes": float(bundle.num_bytes),
         "sync/mb_per_s": bundle.num_bytes / 2**20 / (t4 - t3),
         "sync/receive_s": received["receive_s"],
+        "sync/install_wait_s": received["install_wait_s"],  # for the engine's generation under way to end
         "perf/sampler_peak_rss_mb": received["peak_rss_mb"],
         **{k: v for k, v in received.items() if k.startswith("sampler/")},
         **pending.shares(),
@@ -341,6 +342,8 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
         if value_of(cfg.sync.transport) == "tpu_sync" and kind != "tpu":
             raise ValueError(f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {kind}: "
                              "use object_store, shm_file or collective")
+        if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
+            log.warning(why)
         log.info("model %s, %d train / %d eval prompts, reward %s, device %s", model_path, len(train_examples),
                  len(eval_examples), grader.describe(), kind)
         with StopRequest() as stop:

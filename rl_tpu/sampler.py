@@ -9,8 +9,13 @@ the trainer.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
+
+import ray
 
 from rl_tpu.actor_logs import actor_name, send_output_to_file
 from rl_tpu.cpu_binding import CpuBinding
@@ -27,6 +32,9 @@ SAMPLER_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+# weight installs run on a thread of their own, beside the one that serves generations (see EngineTurns)
+SAMPLER_CONCURRENCY = {"weights": 1}
 
 
 def engine_parameter_names(worker) -> list[str]:
@@ -55,6 +63,48 @@ class EngineOptions:
     enforce_eager: bool = True  # false: vLLM captures CUDA graphs (slower start, faster decoding)
     fp32_residual: bool = False  # bf16 on CPU: the residual stream in fp32, as the trainer keeps it
     binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
+
+
+class EngineTurns:
+    """Who uses the engine next: an install that is waiting goes before every generation not yet started.
+
+    Weight installs run in a concurrency group of their own, so a bundle is fetched and verified while
+    the engine generates, and goes in as soon as the current generation ends, not after generations
+    queued for later steps (a max_staleness of 2 or more). The engine serves one call at a time.
+    The waits have no deadline of their own: the controller's call deadline, which names this engine, bounds them.
+    """
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._busy = False
+        self._installs_waiting = 0
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._busy and not self._installs_waiting)
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextmanager
+    def install(self) -> Iterator[None]:
+        with self._changed:
+            self._installs_waiting += 1
+            self._changed.wait_for(lambda: not self._busy)
+            self._installs_waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._changed:
+            self._busy = False
+            self._changed.notify_all()
 
 
 class Sampler:
@@ -93,7 +143,8 @@ class Sampler:
             **engine_args,
         )
         self.version = 0
-        self.busy_s = 0.0  # seconds spent generating and installing, since start
+        self.turns = EngineTurns()
+        self.busy_s = 0.0  # seconds the engine spent generating and installing, since start
         # what the engine holds (fused names included): every install must fill all of it
         self.engine_params = set(self.llm.collective_rpc(engine_parameter_names)[0])
         if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
@@ -121,8 +172,11 @@ class Sampler:
             seed=seed,
             detokenize=False,  # rollouts carry token ids; the grader decodes them (saves per-token work)
         ) for seed in (seeds if seeds is not None else [None] * len(prompts))]
-        start = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        with self.turns.generation():
+            start = time.perf_counter()
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            self.busy_s += time.perf_counter() - start
+            version = self.version  # the weights these rollouts came from
         rollouts = []
         for group, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
             for completion in output.outputs:
@@ -131,10 +185,10 @@ class Sampler:
                     [step[token].logprob for step, token in zip(completion.logprobs, ids)]
                     if settings.logprobs else [0.0] * len(ids)
                 )
-                rollouts.append(Rollout(list(prompt), ids, logprobs, self.version, completion.finish_reason or "length", group))
-        self.busy_s += time.perf_counter() - start
+                rollouts.append(Rollout(list(prompt), ids, logprobs, version, completion.finish_reason or "length", group))
         return rollouts
 
+    @ray.method(concurrency_group="weights")
     def install(self, bundle: WeightBundle) -> dict[str, float]:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong."""
         start = time.perf_counter()
@@ -143,13 +197,17 @@ class Sampler:
         if bundle.version <= self.version:
             raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
         check_names(bundle, self.engine_params)
-        installed = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
-        # Cached prefixes were computed with the old weights.
-        self.llm.reset_prefix_cache()
-        self.version = bundle.version
-        self.busy_s += time.perf_counter() - start
-        return {**timings, "install_s": time.perf_counter() - installed, "receive_s": time.perf_counter() - start,
+        unpacked = time.perf_counter()
+        with self.turns.install():
+            installed = time.perf_counter()
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            # Cached prefixes were computed with the old weights.
+            self.llm.reset_prefix_cache()
+            self.version = bundle.version
+            done = time.perf_counter()
+            self.busy_s += done - installed
+        return {**timings, "install_s": done - installed, "receive_s": (unpacked - start) + (done - installed),
+                "install_wait_s": installed - unpacked,  # the generation under way finishing first
                 "peak_rss_mb": peak_rss_mb(), "version": self.version, "busy_s": self.busy_s}
 
     def sleep(self) -> None:
@@ -163,8 +221,6 @@ class Sampler:
 
     def open_tpu_sync(self, plan) -> str:
         """Listen for TPU Sync pushes laid out as `plan`; returns the endpoint the trainer pushes to."""
-        import ray
-
         from rl_tpu.device import Device
         from rl_tpu.sync_tpu import open_receiver
 
@@ -191,10 +247,8 @@ def launch_sampler(model_path: str, dtype: str, max_model_len: int, kv_cache_gb:
 
     `ray_options` are Ray's actor options (resources, placement); by default one CPU.
     """
-    import ray
-
     return (
-        ray.remote(Sampler)
+        ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(Sampler)
         .options(**(ray_options or {"num_cpus": 1}), runtime_env={"env_vars": {**SAMPLER_ENV, **options.binding.env()}})
         .remote(model_path, dtype, max_model_len, kv_cache_gb, seed, options)
     )

@@ -1,0 +1,84 @@
+"""An install waiting for the engine goes before generations queued after the one under way."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+
+from conftest import ship_by_value
+from rl_tpu.sampler import SAMPLER_CONCURRENCY, EngineTurns
+
+ship_by_value(__name__)
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_waiting_install_goes_before_the_next_generation():
+    turns, order, release = EngineTurns(), [], threading.Event()
+
+    def generation(name: str, hold: threading.Event | None = None) -> None:
+        with turns.generation():
+            order.append(name)
+            if hold:
+                hold.wait(10)
+
+    def install() -> None:
+        with turns.install():
+            order.append("install")
+
+    first = threading.Thread(target=generation, args=("generate 1", release))
+    first.start()
+    wait_until(lambda: order == ["generate 1"])
+    second = threading.Thread(target=generation, args=("generate 2",))
+    second.start()
+    time.sleep(0.05)  # the second generation now waits for the first
+    weights = threading.Thread(target=install)
+    weights.start()
+    wait_until(lambda: turns._installs_waiting == 1)
+    release.set()
+    for thread in (first, second, weights):
+        thread.join(10)
+    assert order == ["generate 1", "install", "generate 2"]
+
+
+class SlowEngine:
+    """The sampler's shape without vLLM: generations hold the engine; installs run in their own group."""
+
+    def __init__(self):
+        self.turns, self.version, self.log = EngineTurns(), 0, []
+
+    def generate(self, seconds: float) -> int:
+        with self.turns.generation():
+            self.log.append(f"generate with v{self.version}")
+            time.sleep(seconds)
+            return self.version
+
+    @ray.method(concurrency_group="weights")
+    def install(self, version: int) -> str:
+        with self.turns.install():
+            self.version = version
+            self.log.append(f"install v{version}")
+        return "\n".join(self.log)
+
+    @ray.method(concurrency_group="weights")
+    def events(self) -> list[str]:
+        return list(self.log)
+
+
+def test_ray_runs_the_install_between_queued_generations(ray_cluster):
+    engine = ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(SlowEngine).options(num_cpus=0).remote()
+    ray.get(engine.__ray_ready__.remote(), timeout=60)
+    under_way = engine.generate.remote(2.0)
+    queued = [engine.generate.remote(0.1), engine.generate.remote(0.1)]
+    wait_until(lambda: ray.get(engine.events.remote(), timeout=30) == ["generate with v0"], timeout_s=30)
+    log = ray.get(engine.install.remote(1), timeout=30)
+    assert ray.get(under_way, timeout=30) == 0
+    assert ray.get(queued, timeout=30) == [1, 1], log
+    assert log.splitlines() == ["generate with v0", "install v1"]
