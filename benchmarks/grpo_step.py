@@ -17,9 +17,10 @@ generated and trained tokens/s, each side's idle seconds, the trainer's FLOP/s (
 trained positions per train second) as a fraction of a matmul's peak measured in this run on as many
 threads, and the load average. With `--peer trl`, TRL runs the same workload in its own virtual
 environment (made on request, never in CI) in fp32 and bf16, and then the best rl_tpu fp32 and bf16
-variants and TRL's alternate, A B A B, with the ratio of each pair printed.
+variants and TRL's alternate, A B A B, with the ratio of each pair printed. bf16 runs only where the
+CPU computes it natively (AVX512-BF16 or AMX) unless `--dtypes` asks for it.
 
-    python benchmarks/grpo_step.py                 # rl_tpu's variants, about 10 minutes
+    python benchmarks/grpo_step.py                 # rl_tpu's variants, about 6 minutes (fp32 only)
     python benchmarks/grpo_step.py --peer trl      # and TRL side by side (first run builds its venv)
 """
 
