@@ -47,6 +47,7 @@ from rl_tpu.data import arithmetic_rows, batches, load_examples, write_verl_parq
 from rl_tpu.grader import Grader  # noqa: E402
 from rl_tpu.metrics import peak_rss_mb  # noqa: E402
 from rl_tpu.models import build_tiny_arith  # noqa: E402
+from rl_tpu.precision import cpu_has_native_bf16  # noqa: E402
 from rl_tpu.workers import start_workers  # noqa: E402
 
 NUM_PROBLEMS = 1024
@@ -193,7 +194,8 @@ def run_trl(python: Path, model: Path, data: Path, bf16: bool, steps: int, warmu
                "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", "--out", str(out)]
     subprocess.run(command + (["--bf16"] if bf16 else []), check=True, timeout=3600)
     record = json.loads(out.read_text())
-    return {**record, "variant": f"TRL {'bf16' if bf16 else 'fp32'} 2t", "dtype": "bfloat16" if bf16 else "float32"}
+    return {**record, "step_s_min": record["min"], "step_s_max": record["max"],
+            "variant": f"TRL {'bf16' if bf16 else 'fp32'} 2t", "dtype": "bfloat16" if bf16 else "float32"}
 
 
 def pair_ratios(pairs: list[dict]) -> dict[str, float]:
@@ -216,8 +218,8 @@ def show(run: dict) -> None:
                  f"idle trainer {run['trainer_idle_s']:.3f} sampler {run['sampler_idle_s']:.3f}; train "
                  f"{run['train_flop_per_s'] / 1e9:.0f} GFLOP/s = {run['train_flop_of_peak']:.2f} of peak; padding "
                  f"{run['padding_frac']:.1%}")
-    print(f"{run['variant']:<42} {run['step_s']:.3f} s/step (min {run.get('step_s_min', run.get('min')):.3f}, max "
-          f"{run.get('step_s_max', run.get('max')):.3f}){extra}; load {run['load_average_after'][0]:.2f}", flush=True)
+    print(f"{run['variant']:<42} {run['step_s']:.3f} s/step (min {run['step_s_min']:.3f}, max "
+          f"{run['step_s_max']:.3f}){extra}; load {run['load_average_after'][0]:.2f}", flush=True)
 
 
 def main() -> None:
@@ -232,10 +234,10 @@ def main() -> None:
                         help="default: float32, and bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "grpo_step.json")
     args = parser.parse_args()
-    cpu = cpu_facts()
-    dtypes = args.dtypes or (["float32", "bfloat16"] if cpu.get("native_bf16") else ["float32"])
+    native_bf16 = cpu_has_native_bf16()
+    dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16 else ["float32"])
     if "bfloat16" not in dtypes:
-        print(f"{cpu.get('cpu')}: no native bf16 (AVX512-BF16 or AMX), where a bf16 matmul runs far below fp32; "
+        print(f"{cpu_facts().get('cpu')}: no native bf16 (AVX512-BF16 or AMX), where a bf16 matmul runs far below fp32; "
               "bf16 variants left out (--dtypes float32 bfloat16 runs them)", flush=True)
     chosen = [v for v in VARIANTS if v.name in args.variants and v.dtype in dtypes]
     unknown = set(args.variants) - {v.name for v in VARIANTS}
@@ -282,7 +284,7 @@ def main() -> None:
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f} (median of the pairs' step times)", flush=True)
     record = write_record(args.out, load_before, steps=args.steps, warmup=args.warmup, parameters=params,
-                          matmul_peak_flop_per_s=peaks, driver_peak_rss_mb=peak_rss_mb(), runs=runs, pairs=pairs,
+                          native_bf16=native_bf16, matmul_peak_flop_per_s=peaks, driver_peak_rss_mb=peak_rss_mb(), runs=runs, pairs=pairs,
                           ratios=ratios)
     print(f"driver peak RSS {record['driver_peak_rss_mb']:.0f} MiB")
 

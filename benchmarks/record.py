@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def cpu_facts() -> dict:
-    """The CPU by name and the instruction sets that decide bf16 speed (Linux; empty elsewhere)."""
+    """The CPU by name, and whether it has AVX-512 (Linux; empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -19,7 +19,7 @@ def cpu_facts() -> dict:
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     flags = set(fields.get("flags", "").split())
     return {"cpu": f"{fields.get('model name')} (family {fields.get('cpu family')}, model {fields.get('model')})",
-            "avx512": "avx512f" in flags, "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"})}
+            "avx512": "avx512f" in flags}
 
 
 def write_record(out: str | Path, load_before: tuple[float, float, float], **figures) -> dict:

@@ -70,22 +70,21 @@ def bind(cfg: RunConfig, trainer_nodes: list[str], engine_nodes: list[str], pin:
     the counts: sharing cores unpinned is slower, not wrong.
     """
     trainer_threads, sampler_threads = cfg.trainer.threads_per_rank, engine_threads(cfg)
-    trainers = [CpuBinding(trainer_threads) for _ in trainer_nodes]
-    engines = [CpuBinding(sampler_threads) for _ in engine_nodes]
+    nodes = trainer_nodes + engine_nodes  # ranks first, then engines
+    bindings = [CpuBinding(trainer_threads) for _ in trainer_nodes] + [CpuBinding(sampler_threads) for _ in engine_nodes]
+    ranks = len(trainer_nodes)
     if not pin:
-        return trainers, engines
-    actors = [(trainers, i, node) for i, node in enumerate(trainer_nodes)] + \
-             [(engines, i, node) for i, node in enumerate(engine_nodes)]
-    for node in dict.fromkeys(trainer_nodes + engine_nodes):
-        on_node = [(role, i) for role, i, where in actors if where == node]
-        needed = sum(role[i].threads for role, i in on_node)
+        return bindings[:ranks], bindings[ranks:]
+    for node in dict.fromkeys(nodes):
+        on_node = [i for i, where in enumerate(nodes) if where == node]
+        needed = sum(bindings[i].threads for i in on_node)
         if needed > node_cores[node]:
             log.warning("pin_cores: the actors on node %s need %d cores (trainer.threads_per_rank=%d per rank, "
                         "sampler.threads=%d per engine) but it has %d; they run unpinned", node[:12], needed,
                         trainer_threads, sampler_threads, node_cores[node])
             continue
         first = 0
-        for role, i in on_node:
-            role[i] = CpuBinding(role[i].threads, tuple(range(first, first + role[i].threads)))
-            first += role[i].threads
-    return trainers, engines
+        for i in on_node:
+            bindings[i] = CpuBinding(bindings[i].threads, tuple(range(first, first + bindings[i].threads)))
+            first += bindings[i].threads
+    return bindings[:ranks], bindings[ranks:]

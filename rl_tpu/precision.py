@@ -17,10 +17,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX on this host. Without either, PyTorch's bf16 matmul takes a scalar fallback:
+    0.9 GFLOP/s against 56 in fp32 on one AVX2 core (AMD EPYC, benchmarks/README.md)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def slow_bf16_warning(dtype: str) -> str | None:
-    """Why bf16 would be slow on this host's CPU, or None. Without AVX512-BF16 or AMX, PyTorch's bf16 matmul
-    takes a scalar fallback: 0.9 GFLOP/s against 56 in fp32 on one AVX2 core (AMD EPYC, benchmarks/README.md)."""
-    if dtype != "bfloat16" or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+    """Why bf16 would be slow on this host's CPU, or None."""
+    if dtype != "bfloat16" or cpu_has_native_bf16():
         return None
     return ("model.dtype=bfloat16 on a CPU without native bf16 (AVX512-BF16 or AMX): its bf16 matmuls run about "
             "60x slower than fp32 (benchmarks/README.md); model.dtype=float32 trains faster here")

@@ -139,15 +139,14 @@ def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir:
     trainer_cls = ray.remote(TrainerWorker)
     for rank, binding in enumerate(bindings):
         options = reservation.trainer_options(rank)
-        env = {**trainer_env(cfg.trainer, model_path), **binding.env()}
         workers.trainers.append(
-            trainer_cls.options(**options, runtime_env={"env_vars": env})
+            trainer_cls.options(**options, runtime_env={"env_vars": trainer_env(cfg.trainer, model_path)})
             .remote(cfg, str(model_path), rank, cfg.trainer.world_size, master_addr, master_port, log_dir, binding))
 
 
 def trainer_env(trainer: TrainerConfig, model_path: Path) -> dict[str, str]:
     """The environment of a trainer rank's process (see `trainer.return_freed_memory`)."""
-    return {"OMP_NUM_THREADS": str(trainer.threads_per_rank),
+    return {**cpu_binding.CpuBinding(trainer.threads_per_rank).env(),
             **({"MALLOC_MMAP_THRESHOLD_": str(2**20)} if returns_freed_memory(trainer, model_path) else {})}
 
 
