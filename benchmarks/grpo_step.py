@@ -126,7 +126,7 @@ def matmul_peak(threads: int, dtype: str, size: int = 2048, repeats: int = 5) ->
             f"for _ in range({repeats})); print(2 * {size}**3 / best)")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                env=env).stdout)
+                                env=env, timeout=600).stdout)
 
 
 def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int, warmup: int) -> dict:

@@ -43,8 +43,8 @@ def make_venv(path: Path = DEFAULT_VENV) -> Path:
     if python.exists() and marker.exists() and marker.read_text().strip() == digest:
         return python
     if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(REQUIREMENTS)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(REQUIREMENTS)], check=True, timeout=1800)
     marker.write_text(digest + "\n")  # last, so an interrupted install is redone
     return python
 
