@@ -257,7 +257,7 @@ def main() -> None:
         params = parameter_count(model)
 
         def rl_tpu(variant: Variant, tag: str) -> dict:
-            controller.start_ray(reference_config(model, data, variant))  # again after a TRL run stopped it
+            controller.start_ray(reference_config(model, data, variant).ray)  # again after a TRL run stopped it
             run = measure(variant, model, data, Path(tmp) / f"run-{len(runs) + len(pairs)}", args.steps, args.warmup)
             add_rates(run, params, peaks)
             run["round"] = tag

@@ -48,7 +48,7 @@ def main() -> None:
         for layout, engines in VARIANTS:
             cfg = reference_config(model, data, threads=1)
             cfg.placement, cfg.sampler.num_engines = layout, engines
-            controller.start_ray(cfg)
+            controller.start_ray(cfg.ray)
             run_dir = Path(tmp) / f"run-{layout}-{engines}"
             runs.append({**measure(cfg, model, run_dir, args.steps, args.warmup), "load_average": os.getloadavg()})
     baselines = [r for r in runs if (r["layout"], r["engines"]) == VARIANTS[0]]

@@ -36,13 +36,15 @@ def complete(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def latest(path: Path) -> Path:
-    """`path` itself if it is a complete checkpoint, else the newest complete checkpoint of a run folder."""
+def latest(path: Path, key: str = "trainer.resume_from") -> Path:
+    """`path` itself if it is a complete checkpoint, else the newest complete checkpoint of a run folder.
+
+    `key` names, in the error, where the path came from."""
     if _COMPLETE.fullmatch(path.name) and (path / ".metadata").is_file():
         return path
     found = complete(path)
     if not found:
-        raise FileNotFoundError(f"trainer.resume_from={path}: no complete checkpoint (checkpoints/step_N with a "
+        raise FileNotFoundError(f"{key}={path}: no complete checkpoint (checkpoints/step_N with a "
                                 ".metadata file) there")
     return found[-1]
 

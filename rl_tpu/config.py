@@ -49,6 +49,17 @@ class ResumeMode(str, Enum):
     auto = "auto"  # continue from the run folder's newest complete checkpoint, if it has one
 
 
+class Tracker(str, Enum):
+    console = "console"  # the progress bar
+    jsonl = "jsonl"  # metrics.jsonl: always written (resume and the reports read it)
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    mlflow = "mlflow"
+    trackio = "trackio"
+    swanlab = "swanlab"
+    clearml = "clearml"
+
+
 class LossAggMode(str, Enum):
     token_mean = "token-mean"
     token_sum = "token-sum"
@@ -110,7 +121,7 @@ class DataConfig:
 @dataclass
 class SamplerConfig:
     n: int = 8  # completions per prompt (the GRPO group)
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature; the trainer's logprobs use the same
     top_p: float = 1.0
     top_k: int = -1  # off: vLLM renormalises logprobs over kept tokens, which the trainer does not
     response_length: int = 16  # max new tokens
@@ -134,26 +145,26 @@ class SamplerConfig:
 class ActorConfig:
     """Policy-loss settings, named as in verl's `actor_rollout_ref.actor`."""
 
-    clip_ratio: float = 0.2
+    clip_ratio: float = 0.2  # PPO clip range, both sides unless the next two are set
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
-    loss_agg_mode: LossAggMode = LossAggMode.token_mean
-    use_kl_loss: bool = False
+    loss_agg_mode: LossAggMode = LossAggMode.token_mean  # how token losses become the batch's loss
+    use_kl_loss: bool = False  # a KL penalty to the initial policy in the loss
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    entropy_coeff: float = 0.0
+    kl_loss_type: str = "low_var_kl"  # verl's KL estimator
+    entropy_coeff: float = 0.0  # entropy bonus
     rollout_is_threshold: float = 2.0  # async mode: importance weights are truncated at this (TIS)
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    lr: float = 1e-5
+    adv_estimator: str = "grpo"  # verl's advantage estimator: grpo or rloo
+    norm_adv_by_std_in_grpo: bool = True  # divide each group's advantages by its reward std (false: Dr. GRPO)
+    lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
+    warmup_steps: int = 0  # linear learning-rate warm-up, in steps
+    grad_clip: float = 1.0  # gradient norm clip
 
 
 @dataclass
@@ -180,11 +191,11 @@ class TrainerConfig:
     return_freed_memory: Optional[bool] = None
     # place trainer ranks only on Ray nodes with these labels (`ray start --labels=role=trainer`); {}: anywhere
     node_labels: dict[str, str] = field(default_factory=dict)
-    total_steps: int = 100
+    total_steps: int = 100  # training steps (each: generate, score, update, push weights)
     # Async mode: the sampler generates up to this many steps ahead of the trainer, with weights up to
     # this many versions old (corrected by truncated importance sampling); 0 is the synchronous loop.
     max_staleness: int = 0
-    eval_every: int = 10
+    eval_every: int = 10  # steps between held-out evaluations (and after the last)
     export: bool = True  # write the final policy as a Hugging Face folder
     # steps between resumable checkpoints; None: every 10% of total_steps (bounds lost work); 0: none during the run
     checkpoint_every: Optional[int] = None
@@ -196,6 +207,12 @@ class TrainerConfig:
     # a lost trainer rank (or an engine that cannot rejoin alone): every actor restarts from the last checkpoint,
     # this many times in one run; past that the run stops with the command that resumes it
     max_restarts: int = 1
+    # where metrics go besides metrics.jsonl: TensorBoard and the others through verl's Tracking; a tracker whose
+    # package is missing, or that cannot start, costs one warning (rl_tpu/tracking.py)
+    logger: list[Tracker] = field(default_factory=lambda: [Tracker.console, Tracker.jsonl, Tracker.tensorboard])
+    project_name: str = "rl_tpu"  # the trackers' project
+    experiment_name: Optional[str] = None  # the trackers' name for the run; None: the run folder's name
+    plots: bool = True  # when the run ends, plot its metrics into plots/ (rl_tpu/plots.py)
 
 
 class SyncTransport(str, Enum):
@@ -255,7 +272,7 @@ class RunConfig:
     device: DeviceKind = DeviceKind.auto  # auto: what the Ray cluster has (GPU, then TPU), else the CPU
     placement: Layout = Layout.auto  # where trainer ranks and engines run (rl_tpu/placement.py)
     pin_cores: PinCores = PinCores.auto  # CPU: each actor's threads on cores of their own (rl_tpu/cpu_binding.py)
-    seed: int = 0
+    seed: int = 0  # the trainer's torch seed; data order, sampling and the tiny model have seeds of their own
     cache_dir: Optional[str] = None  # built models and datasets; default ~/.cache/rl_tpu
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -24,10 +24,11 @@ from typing import Any
 
 import ray
 
-from rl_tpu import algorithms, checkpoints, placement, precision
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu import algorithms, checkpoints, placement, plots, precision, tracking
+from rl_tpu.config import RayConfig, RunConfig, Tracker, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
 from rl_tpu.device import Device
+from rl_tpu.export import write_model_card
 from rl_tpu.grader import Grader, Grades, Sample, reward_sources
 from rl_tpu.metrics import MetricsLogger, final_accuracy
 from rl_tpu.models import check_decoder, resolve_model_path
@@ -291,6 +292,7 @@ def train(job: Job, restarted: bool) -> None:
                 saved = step
         if cfg.trainer.export:
             workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
+            write_model_card(job.run_dir / "export", job.run_dir, value_of(cfg.model.dtype))
     finally:
         workers.shutdown()
 
@@ -303,14 +305,15 @@ def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]
     check_decoder(model_path, cfg.model.fp32_residual and value_of(cfg.model.dtype) != "float32")
 
 
-def start_ray(cfg: RunConfig) -> None:
+def start_ray(cfg: RayConfig) -> None:
+    """Join `ray.address`, or start a local cluster; a sweep's trial runs inside the sweep's cluster already."""
     if ray.is_initialized():
         return
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=False)
+    if cfg.address:
+        ray.init(address=cfg.address, log_to_driver=False)
         return
-    ray.init(num_cpus=cfg.ray.num_cpus or (os.cpu_count() or 1) + 1, include_dashboard=False,
-             object_store_memory=cfg.ray.object_store_mb * 2**20, log_to_driver=False)
+    ray.init(num_cpus=cfg.num_cpus or (os.cpu_count() or 1) + 1, include_dashboard=False,
+             object_store_memory=cfg.object_store_mb * 2**20, log_to_driver=False)
 
 
 def load_datasets(cfg: RunConfig, cache_dir: Path, tokenizer) -> tuple[list[Example], list[Example]]:
@@ -327,7 +330,7 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     """
     from transformers import AutoTokenizer
 
-    started = time.perf_counter()
+    started = time.monotonic()
     validate(cfg)
     cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "rl_tpu").expanduser()
     model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
@@ -335,9 +338,10 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
     check_inputs(cfg, model_path, train_examples)
     grader = Grader(cfg.reward, cfg.custom_reward_function)
-    logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress=show_progress)
+    show_progress = show_progress and Tracker.console in cfg.trainer.logger
+    logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress, tracking.for_run(cfg, run_dir), started)
     try:
-        start_ray(cfg)  # before the signal handlers: ray.init installs a SIGTERM handler of its own
+        start_ray(cfg.ray)  # before the signal handlers: ray.init installs a SIGTERM handler of its own
         kind = placement.device_kind(cfg.device, ray.cluster_resources())
         if value_of(cfg.sync.transport) == "tpu_sync" and kind != "tpu":
             raise ValueError(f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {kind}: "
@@ -356,9 +360,11 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     summary = {
         "eval/accuracy_start": evals[0],
         "eval/accuracy_final": final_accuracy(evals),
-        "time/wall_s": time.perf_counter() - started,
+        "time/wall_s": time.monotonic() - started,
     }
     log.info("held-out accuracy: %.1f%% after warm start -> %.1f%% after GRPO (mean of last %d evals); %.0f s",
              100 * summary["eval/accuracy_start"], 100 * summary["eval/accuracy_final"], min(3, len(evals) - 1),
              summary["time/wall_s"])
+    if cfg.trainer.plots and (folder := plots.plot_finished_run(run_dir)):
+        log.info("plots in %s", folder)
     return summary

@@ -1,4 +1,4 @@
-"""Entry point: `python -m rl_tpu.main +recipe=grpo_math [overrides]` (add `-m` for a sweep)."""
+"""Entry point: `rl-tpu +recipe=grpo_math [overrides]` or `python -m rl_tpu.main ...` (add `-m` for a sweep)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rl_tpu.config import RunConfig, register_configs
+from rl_tpu.plots import PLOTS_DIR
 from rl_tpu.report import FAILED_FILE
 
 register_configs()
@@ -28,8 +29,8 @@ def resume_command(run_dir: Path) -> str:
                        "trainer.resume=auto"])
 
 
-@hydra.main(version_base=None, config_path="../configs", config_name="config")
-def main(cfg: DictConfig) -> float:
+def run_task(cfg: DictConfig) -> float:
+    """One run (or one sweep trial) in the folder Hydra chose; returns the final held-out accuracy."""
     from rl_tpu import checkpoints, controller
     from rl_tpu.recovery import RunInterrupted
 
@@ -50,11 +51,26 @@ def main(cfg: DictConfig) -> float:
         log.exception("trial %s failed", run_dir.name)
         (run_dir / FAILED_FILE).write_text(traceback.format_exc())
         return float("nan")
+    plots = f"; plots in {run_dir / PLOTS_DIR}" if (run_dir / PLOTS_DIR).is_dir() else ""
     print(f"held-out accuracy: {100 * summary['eval/accuracy_start']:.1f}% after warm start -> "
           f"{100 * summary['eval/accuracy_final']:.1f}% after GRPO; wall time {summary['time/wall_s']:.0f} s; "
-          f"outputs in {run_dir}")
+          f"outputs in {run_dir}{plots}")
     return summary["eval/accuracy_final"]  # the value a sweeper optimises
 
 
-if __name__ == "__main__":
+# a plain function under the decorator, so that a sweep's Ray tasks receive it by name (rl_tpu/sweep_launcher.py)
+main = hydra.main(version_base=None, config_path="configs", config_name="config")(run_task)
+
+
+def cli() -> None:
+    """The `rl-tpu` command: `--help` lists the recipes and keys (Hydra's own help is `--hydra-help`)."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        from rl_tpu.cli_help import help_text
+
+        print(help_text(), end="")
+        return
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,4 +1,4 @@
-"""Run outputs: `metrics.jsonl` (one JSON object per step) and the progress bar."""
+"""Run outputs: `metrics.jsonl` (one JSON object per step), the progress bar, and the trackers they feed."""
 
 from __future__ import annotations
 
@@ -6,13 +6,19 @@ import json
 import math
 import resource
 import statistics
+import time
 from pathlib import Path
+from typing import Optional
 
 from tqdm import tqdm
+
+from rl_tpu.tracking import Trackers
 
 # Shown on the progress bar, in this order, when present.
 BAR_KEYS = {"reward/mean": "reward", "eval/accuracy": "eval", "actor/logprob_diff": "lp_diff",
             "time/step_s": "s/step", "sync/version": "v"}
+ELAPSED = "time/elapsed_s"  # seconds since the run started, counting the earlier processes of a resumed run
+TIMESTAMP = "timestamp"  # when the line was written (Unix time): a sweep's table shows which trials overlapped
 
 
 def final_accuracy(evals: list[float]) -> float:
@@ -26,12 +32,17 @@ def peak_rss_mb() -> float:
 
 
 class MetricsLogger:
-    """Appends a line per step to `metrics.jsonl`; a resumed run continues the same file."""
+    """Appends a line per step to `metrics.jsonl` and passes it to the trackers; a resumed run continues the file."""
 
-    def __init__(self, run_dir: Path, total_steps: int, show_progress: bool = True):
+    def __init__(self, run_dir: Path, total_steps: int, show_progress: bool = True,
+                 trackers: Optional[Trackers] = None, started: Optional[float] = None):
+        """`started`: when the run's process started (time.monotonic()); None: now."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records = read_metrics(self.path) if self.path.exists() else []
+        started = time.monotonic() if started is None else started
+        self.started = started - (self.records[-1].get(ELAPSED, 0.0) if self.records else 0.0)
+        self.trackers = trackers
         self.bar = tqdm(total=total_steps, desc="grpo", dynamic_ncols=True, disable=not show_progress)
         self.shown: dict[str, float] = {}
 
@@ -52,10 +63,13 @@ class MetricsLogger:
         for key, value in metrics.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise FloatingPointError(f"metric {key} is {value} at step {step}")
-        record = {"step": step, **metrics}
+        metrics = {**metrics, ELAPSED: time.monotonic() - self.started}
+        record = {"step": step, TIMESTAMP: time.time(), **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.records.append(record)
+        if self.trackers:
+            self.trackers.log(step, metrics)
         self.shown.update({label: metrics[key] for key, label in BAR_KEYS.items() if key in metrics})
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
         if step > self.bar.n:
@@ -63,6 +77,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.bar.close()
+        if self.trackers:
+            self.trackers.close()
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -12,6 +12,16 @@ from rl_tpu.device import Device
 from rl_tpu.precision import keep_residual_fp32
 
 
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
+
+
+def hf_name(name: str) -> str:
+    """A parameter's Hugging Face name, without the wrappers the parallelisation added."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The repeated blocks of a Hugging Face causal LM (`model.model.layers` for Llama/Qwen-style models)."""
     layers = getattr(getattr(model, "model", None), "layers", None)

@@ -29,23 +29,14 @@ from rl_tpu.actor_logs import actor_name, send_output_to_file
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.cpu_binding import CpuBinding
 from rl_tpu.device import Device
+from rl_tpu.export import MODEL_FILES, copy_model_files
 from rl_tpu.logprobs import pad_batch, token_logprobs
 from rl_tpu.metrics import peak_rss_mb
-from rl_tpu.parallelize import parallelize
+from rl_tpu.parallelize import hf_name, parallelize
 from rl_tpu.rollout import TrainBatch
 
 
 # module wrappers that activation checkpointing and compilation put into parameter names
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def hf_name(name: str) -> str:
-    """A parameter's Hugging Face name, without the wrappers the parallelisation added."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
     return [batch.shard(i, -(-len(batch) // size)) for i in range(-(-len(batch) // size))]
 
@@ -285,8 +276,7 @@ class TrainerWorker:
         config = json.loads((Path(self.model_path) / "config.json").read_text())
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(self.model_path, tmp,
-                            ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json"))
+            copy_model_files(self.model_path, tmp)
         shards: list[tuple[list[str], int]] = []  # (names, bytes) of each shard written
         for bucket in self.served_buckets():
             if config.get("tie_word_embeddings") and bucket:
@@ -316,6 +306,7 @@ class TrainerWorker:
         dcp.save(state, checkpoint_id=str(tmp))
         dist.barrier()
         if self.rank == 0:
+            copy_model_files(self.model_path, tmp / MODEL_FILES)  # so that the checkpoint alone can be exported
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         dist.barrier()

@@ -58,16 +58,40 @@ E2E_OVERRIDES = ("+recipe=grpo_math", "model.tiny.warm_start_steps=0", "data.tra
                  "data.num_eval=32", "trainer.eval_every=2", "trainer.world_size=2", "actor.entropy_coeff=0.01")
 
 
-def cli_command(run_dir, cache_dir, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "rl_tpu.main", *E2E_OVERRIDES, f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}",
-            *overrides]
+MODULE_CLI = (sys.executable, "-m", "rl_tpu.main")
 
 
-def run_cli(run_dir, cache_dir, *overrides: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(cli_command(run_dir, cache_dir, *overrides), cwd=REPO, capture_output=True, text=True,
-                            timeout=600)
+def cli_command(run_dir, cache_dir, *overrides: str, program=MODULE_CLI) -> list[str]:
+    return [*map(str, program), *E2E_OVERRIDES, f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}", *overrides]
+
+
+def run_cli(run_dir, cache_dir, *overrides: str, program=MODULE_CLI, cwd=REPO) -> subprocess.CompletedProcess:
+    result = subprocess.run(cli_command(run_dir, cache_dir, *overrides, program=program), cwd=cwd,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+@pytest.fixture(scope="session")
+def installed_cli(tmp_path_factory) -> Path:
+    """`rl-tpu` from a wheel of the checkout, installed into a new virtual environment.
+
+    The environment sees this one's pinned dependencies through a .pth line (whose folder's own .pth
+    files, the editable checkout among them, Python does not read), so the package comes from the wheel alone.
+    """
+    root = tmp_path_factory.mktemp("wheel")
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(root / "dist"), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    (wheel,) = (root / "dist").glob("rl_tpu-*.whl")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "pinned_dependencies.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                              "--no-deps", str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-4000:]
+    return venv / "bin" / "rl-tpu"
 
 
 def start_cli(run_dir, cache_dir, *overrides: str) -> subprocess.Popen:

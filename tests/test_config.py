@@ -18,7 +18,7 @@ register_configs()
 
 
 def compose_run(*overrides: str) -> RunConfig:
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+    with initialize_config_dir(config_dir=str(REPO / "rl_tpu" / "configs"), version_base=None):
         return OmegaConf.to_object(compose("config", overrides=["+recipe=grpo_math", *overrides]))
 
 
@@ -62,7 +62,7 @@ def test_cli_typo_fails_fast_with_the_key_name():
 
 
 def compose_recipe(recipe: str, *overrides: str) -> RunConfig:
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+    with initialize_config_dir(config_dir=str(REPO / "rl_tpu" / "configs"), version_base=None):
         return OmegaConf.to_object(compose("config", overrides=[f"+recipe={recipe}", *overrides]))
 
 
@@ -95,3 +95,11 @@ def test_a_missing_accelerator_fails_at_once_naming_it(device, missing):
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and missing in result.stderr
     assert "Started a local Ray instance" not in result.stderr  # before Ray, before any model is built
+
+
+def test_an_unknown_tracker_is_refused_with_the_allowed_names():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as refused:
+        compose_run("trainer.logger=[jsonl,tensorbord]")
+    assert "Invalid value 'tensorbord', expected one of [console, jsonl, tensorboard, wandb" in str(refused.value.__cause__)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +21,63 @@ STEP_KEYS = {"reward/mean", "sync/transport", "sync/bytes", "actor/loss", "actor
 
 
 @pytest.fixture(scope="module")
-def three_step_run(tmp_path_factory):
+def three_step_run(tmp_path_factory, installed_cli):
+    """The `rl-tpu` command of a wheel, run from a folder outside the checkout, as a user runs it."""
     root = tmp_path_factory.mktemp("e2e")
-    result = run_cli(root / "run", root / "cache", "trainer.total_steps=3", "sync.transport=collective")
+    (root / "elsewhere").mkdir()
+    result = run_cli(root / "run", root / "cache", "trainer.total_steps=3", "sync.transport=collective",
+                     "trainer.logger=[jsonl,tensorboard]", program=[installed_cli], cwd=root / "elsewhere")
     return root, result
+
+
+def test_the_wheel_runs_outside_the_checkout_and_its_help_lists_recipes_and_keys(three_step_run, installed_cli):
+    root, result = three_step_run
+    where = subprocess.run([installed_cli.parent / "python", "-c", "import rl_tpu; print(rl_tpu.__file__)"],
+                           cwd=root / "elsewhere", capture_output=True, text=True, check=True).stdout
+    assert Path(where).is_relative_to(installed_cli.parents[1]), where  # the wheel's copy, not the checkout
+    assert "held-out accuracy:" in result.stdout
+    shown = subprocess.run([installed_cli, "--help"], cwd=root / "elsewhere", capture_output=True, text=True,
+                           check=True).stdout
+    assert "  grpo_math            GRPO on the synthetic arithmetic task" in shown
+    assert any(line.startswith("  trainer.total_steps=100 ") and "training steps" in line for line in shown.splitlines())
+
+
+def test_tensorboard_holds_the_same_scalars_as_metrics_jsonl(three_step_run):
+    from test_tracking import tensorboard_scalars
+
+    root, _ = three_step_run
+    rows = read_metrics(root / "run" / "metrics.jsonl")
+    expected: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key not in ("step", "timestamp") and isinstance(value, (int, float)):
+                expected.setdefault(key, {})[row["step"]] = value
+    logged = tensorboard_scalars(root / "run" / "tensorboard")
+    assert set(logged) == set(expected) and "eval/accuracy" in logged and "time/elapsed_s" in logged
+    for key, by_step in expected.items():
+        assert logged[key] == pytest.approx(by_step, rel=1e-6), key  # TensorBoard keeps float32
+
+
+def test_the_run_plots_itself_with_the_data_behind_each_plot(three_step_run):
+    root, result = three_step_run
+    plots = root / "run" / "plots"
+    assert f"plots in {plots}" in result.stdout
+    # each plot's data: one row per step (0 is the evaluation before training) and the series of every step
+    for name, steps, series in (("reward", [0, 1, 2, 3], ["reward/mean"]),
+                                ("time", [1, 2, 3], ["time/generate_s", "time/train_step_s", "time/sync_s"]),
+                                ("logprob_gap", [1, 2, 3], ["actor/logprob_diff"]),
+                                ("response_length", [1, 2, 3], ["response/length_mean"])):
+        assert (plots / f"{name}.png").stat().st_size > 10_000
+        with (plots / f"{name}.csv").open() as f:
+            table = list(csv.DictReader(f))
+        assert [int(r["step"]) for r in table] == steps, name
+        assert all(r[key] != "" for r in table if r["step"] != "0" for key in series), name
+    rows = {r["step"]: r for r in read_metrics(root / "run" / "metrics.jsonl")}
+    with (plots / "reward.csv").open() as f:
+        for r in csv.DictReader(f):
+            assert float(r["time/elapsed_s"]) == pytest.approx(rows[int(r["step"])]["time/elapsed_s"])
+            if r["eval/accuracy"]:
+                assert float(r["eval/accuracy"]) == pytest.approx(rows[int(r["step"])]["eval/accuracy"])
 
 
 def test_metrics_are_well_formed(three_step_run):
@@ -75,6 +130,44 @@ def assert_same_steps(rows: list[dict], reference_run) -> None:
     assert whole[4]["actor/grad_norm"] != whole[5]["actor/grad_norm"]  # the steps differ: the comparison can fail
 
 
+def logits_of(folder, ids):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(ids).logits
+
+
+def test_the_export_cli_turns_any_checkpoint_into_a_hugging_face_folder(three_step_run):
+    """Mid-run (step 2): the logits equal the trainer state's, read by torch's own DCP converter. Final (step 3):
+    they equal the trainer's own export, bit for bit. In bf16: half the bytes, and a model card."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, _ = three_step_run
+    run = root / "run"
+    for step in (2, 3):
+        subprocess.run([sys.executable, "-m", "rl_tpu.export", str(run / "checkpoints" / f"step_{step}"),
+                        str(root / f"exported_{step}")], check=True, capture_output=True, timeout=300)
+    ids = torch.tensor([AutoTokenizer.from_pretrained(root / "exported_2")("Q: What is 5 + 9? A: 14")["input_ids"]])
+
+    dcp_to_torch_save(run / "checkpoints" / "step_2", root / "step_2.pt")
+    reference = AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float32).eval()
+    reference.load_state_dict(torch.load(root / "step_2.pt")["model"], strict=False)
+    with torch.no_grad():
+        mid_run, final = logits_of(root / "exported_2", ids), logits_of(root / "exported_3", ids)
+        assert torch.equal(mid_run, reference(ids).logits)
+        assert torch.equal(final, logits_of(run / "export", ids))
+        assert not torch.equal(mid_run, final)  # the steps differ: the comparisons can fail
+
+    subprocess.run([sys.executable, "-m", "rl_tpu.export", str(run), str(root / "exported_bf16"), "--dtype",
+                    "bfloat16"], check=True, capture_output=True, timeout=300)
+    size = lambda folder: sum(f.stat().st_size for f in folder.glob("*.safetensors"))  # noqa: E731
+    assert abs(size(root / "exported_bf16") * 2 - size(root / "exported_3")) < 1e5
+    card = (root / "exported_bf16" / "README.md").read_text()
+    assert "recipe: `grpo_math`" in card and "checkpoint step_3" in card and "weights in bfloat16" in card
+    assert "rl-tpu +recipe=grpo_math" in card and "trainer.total_steps=3" in card
+    assert "recipe: `grpo_math`; exported from the end of the run" in (run / "export" / "README.md").read_text()
+
+
 def test_resume_continues_exactly_where_the_run_stopped(three_step_run, six_step_run):
     """Stopped after step 3 of 6 and resumed in a new folder: steps 4-6 equal those of a run that never stopped."""
     root, _ = three_step_run
@@ -123,20 +216,6 @@ def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
     assert {"eval/accuracy", "eval/gsm8k", "eval/format"} <= set(rows[2])
 
 
-def test_verl_plugin_trains_unchanged_through_the_verl_keys(tmp_path):
-    """examples/custom_reward's plugin, written for verl, with verl's custom_reward_function keys."""
-    run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=2",
-            "custom_reward_function.path=examples/custom_reward/reward.py", "custom_reward_function.name=compute_score")
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for row in rows[1:]:
-        assert row["reward/failed"] == 0 and "reward/custom" in row
-        # the plugin's dict fields: exact-match rate and answer rate, next to its partial-credit score
-        assert 0.0 <= row["reward/extra/custom/exact"] <= row["reward/custom"] + 1e-9
-        assert row["reward/extra/custom/answered"] >= row["reward/extra/custom/exact"]
-    assert "eval/extra/custom/exact" in rows[2]
-
-
 def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_path):
     """trainer.max_staleness=1: batch t comes from weights t-2 (after the first), reweighted by TIS."""
     run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=4", "trainer.max_staleness=1")
@@ -150,16 +229,24 @@ def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_pat
     assert rows[0]["actor/logprob_diff"] < 1e-5 and all(r["actor/logprob_diff"] > 1e-5 for r in rows[1:])
 
 
-def test_bf16_run_trains_and_syncs_bf16_weights(three_step_run, tmp_path):
-    """model.dtype=bfloat16 (the real-model recipes' setting): bf16 engine, bf16 bundles of half the bytes."""
+def test_bf16_run_with_a_verl_plugin_through_the_verl_keys(three_step_run, tmp_path):
+    """model.dtype=bfloat16 (the real-model recipes' setting): bf16 engine, bf16 bundles of half the bytes; and
+    examples/custom_reward's plugin, written for verl, given with verl's custom_reward_function keys."""
     run_cli(tmp_path / "run", three_step_run[0] / "cache", "trainer.total_steps=2", "model.dtype=bfloat16",
-            "trainer.world_size=1")
+            "trainer.world_size=1", "custom_reward_function.path=examples/custom_reward/reward.py",
+            "custom_reward_function.name=compute_score")
     fp32 = read_metrics(three_step_run[0] / "run" / "metrics.jsonl")[1]
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")[1:]
-    for row in rows:
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
         assert row["sync/bytes"] * 2 == fp32["sync/bytes"]
         # bf16 rounding on both sides: far above fp32's 1e-7, far below a mismatched model's ~1
         assert 1e-5 < row["actor/logprob_diff"] < 0.05
+        assert row["reward/failed"] == 0 and "reward/custom" in row
+        # the plugin's dict fields: exact-match rate and answer rate, next to its partial-credit score
+        assert 0.0 <= row["reward/extra/custom/exact"] <= row["reward/custom"] + 1e-9
+        assert row["reward/extra/custom/answered"] >= row["reward/extra/custom/exact"]
+    assert "eval/extra/custom/exact" in rows[2]
 
 
 def test_a_failing_plugin_stops_the_run_with_its_name_and_traceback(tmp_path):

@@ -46,32 +46,27 @@ def test_sigterm_saves_stops_and_resume_auto_continues_exactly(six_step_run, tmp
     assert_same_steps(rows, six_step_run)
 
 
-def kill_mid_run(tmp_path, actor: str, after_step: int) -> tuple[str, list[dict]]:
-    """A 6-step run whose `actor` process is SIGKILLed once step `after_step` is logged; its output and metrics."""
+def test_a_killed_engine_restarts_alone_and_a_killed_trainer_rank_restarts_the_run(six_step_run, tmp_path):
+    """One 6-step run, two SIGKILLs: the engine after step 1 (Ray restarts it in place, given the served weights,
+    and its prompts are generated again), then a trainer rank after step 3 (every actor restarts from the last
+    checkpoint). The run still equals one that was never interrupted, step for step."""
     run_dir = tmp_path / "run"
     process = start_cli(run_dir, tmp_path / "cache", "trainer.total_steps=6")
-    wait_for_step(run_dir, after_step, process)
-    os.kill(actor_pid(run_dir, actor), signal.SIGKILL)
+    wait_for_step(run_dir, 1, process)
+    os.kill(actor_pid(run_dir, "sampler_0"), signal.SIGKILL)
+    wait_for_step(run_dir, 3, process)
+    assert read_metrics(run_dir / "metrics.jsonl")[3]["sampler/restarts"] == 1  # the engine alone came back
+    os.kill(actor_pid(run_dir, "trainer_1"), signal.SIGKILL)
     output = finish(process, run_dir)
     assert process.returncode == 0, output[-3000:]
+    assert output.count("sampler_0 restarted (restart 1 of sampler.max_restarts=2)") == 1
+    # one whole restart (the trainer rank's): the engine's loss did not cause one
+    assert output.count("restarting every actor from the last checkpoint (restart 1 of trainer.max_restarts=1)") == 1
+    assert "restart 2 of trainer.max_restarts" not in output and "resumed from" in output
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
-    return output, rows
-
-
-def test_a_killed_engine_is_restarted_in_place_and_no_sample_is_lost(six_step_run, tmp_path):
-    output, rows = kill_mid_run(tmp_path, "sampler_0", after_step=1)
-    assert output.count("sampler_0 restarted (restart 1 of sampler.max_restarts=2)") == 1
-    assert "restarting every actor" not in output  # the trainer ranks kept going
-    assert all(r["rollout/samples"] == 16 for r in rows[1:]) and rows[-1]["sampler/restarts"] == 1
-    assert_same_steps(rows, six_step_run)  # the replacement drew the same tokens with the same weights
-
-
-def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(six_step_run, tmp_path):
-    output, rows = kill_mid_run(tmp_path, "trainer_1", after_step=2)
-    assert output.count("restarting every actor from the last checkpoint (restart 1 of trainer.max_restarts=1)") == 1
-    assert "resumed from" in output
-    assert_same_steps(rows, six_step_run)
+    assert all(r["rollout/samples"] == 16 for r in rows[1:])  # no sample lost
+    assert_same_steps(rows, six_step_run)  # the replacements drew the same tokens with the same weights
 
 
 OVERFLOWING_REWARD = '''

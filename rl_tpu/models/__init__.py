@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from rl_tpu.config import DataConfig, ModelConfig, TinyModelConfig
 from rl_tpu.data import ARITHMETIC_OPS, answer_without_carry, arithmetic_prompt, split_arithmetic_problems
 from rl_tpu.rollout import TrainBatch
 
 log = logging.getLogger(__name__)
+BUILD_WAIT_S = 1800.0  # for another run's build of the same tiny model (a warm start takes minutes on a CPU)
 
 
 def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> Path:
@@ -33,8 +35,14 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
                 "num_eval": data.num_eval, "data_seed": data.seed}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_dir / "models" / f"tiny_arith-{key}"
-    if not (folder / "model.safetensors").is_file():
-        build_tiny_arith(cfg.tiny, data, folder)
+    lock = FileLock(folder.parent / f".{folder.name}.lock")  # a sweep's trials start at once: one builds, the others wait and reuse it
+    try:
+        with lock.acquire(timeout=BUILD_WAIT_S):
+            if not (folder / "model.safetensors").is_file():
+                build_tiny_arith(cfg.tiny, data, folder)
+    except Timeout:
+        raise TimeoutError(f"another run held {lock.lock_file} (building the tiny model into {folder}) for more than "
+                           f"{BUILD_WAIT_S:g} s; if no run is building it, delete the lock file") from None
     return folder
 
 
