@@ -197,6 +197,7 @@ class TrainerConfig:
     max_staleness: int = 0
     eval_every: int = 10  # steps between held-out evaluations (and after the last)
     export: bool = True  # write the final policy as a Hugging Face folder
+    push_to_hub: Optional[str] = None  # upload the export to this Hub repository (user/name); a failure is a warning
     # steps between resumable checkpoints; None: every 10% of total_steps (bounds lost work); 0: none during the run
     checkpoint_every: Optional[int] = None
     checkpoint_final: bool = True  # a resumable checkpoint after the last step

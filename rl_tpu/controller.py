@@ -28,7 +28,7 @@ from rl_tpu import algorithms, checkpoints, placement, plots, precision, trackin
 from rl_tpu.config import RayConfig, RunConfig, Tracker, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
 from rl_tpu.device import Device
-from rl_tpu.export import write_model_card
+from rl_tpu.export import push_to_hub, write_model_card
 from rl_tpu.grader import Grader, Grades, Sample, reward_sources
 from rl_tpu.metrics import MetricsLogger, final_accuracy
 from rl_tpu.models import check_decoder, resolve_model_path
@@ -293,6 +293,8 @@ def train(job: Job, restarted: bool) -> None:
         if cfg.trainer.export:
             workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
             write_model_card(job.run_dir / "export", job.run_dir, value_of(cfg.model.dtype))
+            if cfg.trainer.push_to_hub:
+                push_to_hub(job.run_dir / "export", cfg.trainer.push_to_hub)
     finally:
         workers.shutdown()
 

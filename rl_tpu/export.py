@@ -13,6 +13,7 @@ which streams bucket by bucket, this one holds the whole model in memory once, i
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ import yaml
 from rl_tpu import checkpoints
 from rl_tpu.metrics import final_accuracy, read_metrics
 
+log = logging.getLogger(__name__)
 MODEL_FILES = "hf"  # in each checkpoint folder: the model folder without its weights
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.index.json")
 
@@ -114,13 +116,34 @@ Trained with:
 """)
 
 
+def push_to_hub(folder: Path, repo_id: str) -> bool:
+    """Upload an exported folder to a Hub repository, made private if it does not exist (a trained policy should
+    not become public by accident). Offline, no token, no rights: a warning, and the export stays on disk."""
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo_id, private=True, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=f"rl_tpu export of {folder}")
+    except Exception as failed:
+        log.warning("push to hub %s failed (%s: %s); the export stays in %s", repo_id, type(failed).__name__,
+                    failed, folder)
+        return False
+    log.info("pushed %s to %s", folder, repo_id)
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rl_tpu.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a run folder (its newest complete checkpoint) or RUN/checkpoints/step_N")
     parser.add_argument("out", help="the Hugging Face folder to write")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the run's model.dtype")
+    parser.add_argument("--push-to-hub", metavar="REPO", help="also upload the folder to this Hub repository")
     args = parser.parse_args(argv)
-    print(f"exported {export_checkpoint(args.checkpoint, args.out, args.dtype)}")
+    out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    print(f"exported {out}")
+    if args.push_to_hub:
+        push_to_hub(out, args.push_to_hub)
 
 
 if __name__ == "__main__":
