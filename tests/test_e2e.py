@@ -206,7 +206,7 @@ def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
     run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=2", "model.tiny.max_position_embeddings=1024",
             f"data.train_files={tmp_path / 'data' / 'train.parquet'}",
             f"data.val_files={tmp_path / 'data' / 'test.parquet'}", "data.max_prompt_length=512",
-            "reward.name=gsm8k", "+reward.combine={gsm8k: 1.0, format: 0.1}")
+            "reward.name=gsm8k", "+reward.combine={gsm8k: 1.0, format: 0.1}", "trainer.world_size=1")
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
@@ -218,7 +218,8 @@ def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
 
 def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_path):
     """trainer.max_staleness=1: batch t comes from weights t-2 (after the first), reweighted by TIS."""
-    run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=4", "trainer.max_staleness=1")
+    run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=4", "trainer.max_staleness=1",
+            "trainer.world_size=1")
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")[1:]
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1, 2]
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
