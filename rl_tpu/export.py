@@ -22,6 +22,7 @@ import yaml
 
 from rl_tpu import checkpoints
 from rl_tpu.metrics import final_accuracy, read_metrics
+from rl_tpu.report import run_overrides
 
 log = logging.getLogger(__name__)
 MODEL_FILES = "hf"  # in each checkpoint folder: the model folder without its weights
@@ -84,15 +85,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     model.save_pretrained(out, max_shard_size=f"{int(bucket_mb)}MB")
     run_dir = checkpoint.parent.parent
     if (run_dir / "metrics.jsonl").is_file():
-        write_model_card(out, run_dir, dtype, f"checkpoint {checkpoint.name}")
+        write_model_card(out, run_dir, dtype, checkpoints.step_of(checkpoint), f"checkpoint {checkpoint.name}")
     return out
 
 
-def write_model_card(folder: Path, run_dir: Path, dtype: str, source: str = "the end of the run") -> None:
-    """README.md in an exported folder: how the policy was trained, what it reached, and the command."""
-    overrides_file = run_dir / ".hydra" / "overrides.yaml"
-    overrides = list(yaml.safe_load(overrides_file.read_text()) or []) if overrides_file.is_file() else []
-    rows = read_metrics(run_dir / "metrics.jsonl")
+def write_model_card(folder: Path, run_dir: Path, dtype: str, step: int | None = None,
+                     source: str = "the end of the run") -> None:
+    """README.md in an exported folder: how the policy was trained, what it reached by `step` (None: the last
+    step logged), and the command."""
+    overrides = run_overrides(run_dir)
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if step is None or r["step"] <= step]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     steps = max((r["step"] for r in rows), default=0)
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("+recipe=")), "(none)")

@@ -4,7 +4,8 @@ Each trial is a Ray task that runs one whole run (Hydra's `run_job`, as the basi
 its own process), with placement groups of its own for its trainer ranks and engines. A trial
 starts when the resources its placement plan asks for are free beside those of the trials already
 running, so the number of trials at once follows from the cluster (or `ray.num_cpus` of a local one)
-and the trials never race for cores.
+and a trial does not start only to wait out its placement timeout behind the others (the count is
+against the cluster's totals, not each node's).
 
 Why not Hydra's Ray launcher plugin (hydra-ray-launcher 1.2.2): it requires cloudpickle<3, and vLLM
 runs here with cloudpickle 3; it pulls boto3 and ray[default] for its AWS mode; and it submits every

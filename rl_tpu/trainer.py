@@ -36,7 +36,6 @@ from rl_tpu.parallelize import hf_name, parallelize
 from rl_tpu.rollout import TrainBatch
 
 
-# module wrappers that activation checkpointing and compilation put into parameter names
 def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
     return [batch.shard(i, -(-len(batch) // size)) for i in range(-(-len(batch) // size))]
 

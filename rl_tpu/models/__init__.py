@@ -35,7 +35,8 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
                 "num_eval": data.num_eval, "data_seed": data.seed}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_dir / "models" / f"tiny_arith-{key}"
-    lock = FileLock(folder.parent / f".{folder.name}.lock")  # a sweep's trials start at once: one builds, the others wait and reuse it
+    # a sweep's trials start at once: one builds, the others wait and reuse it
+    lock = FileLock(folder.parent / f".{folder.name}.lock")
     try:
         with lock.acquire(timeout=BUILD_WAIT_S):
             if not (folder / "model.safetensors").is_file():
