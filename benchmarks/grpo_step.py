@@ -48,6 +48,7 @@ from rl_tpu.grader import Grader  # noqa: E402
 from rl_tpu.metrics import peak_rss_mb  # noqa: E402
 from rl_tpu.models import build_tiny_arith  # noqa: E402
 from rl_tpu.precision import cpu_has_native_bf16  # noqa: E402
+from rl_tpu.rollout_queue import RolloutQueue  # noqa: E402
 from rl_tpu.workers import start_workers  # noqa: E402
 
 NUM_PROBLEMS = 1024
@@ -143,12 +144,11 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
     workers = start_workers(cfg, model, run_dir, "cpu")
     rows = []
     try:
-        queue = controller.RolloutQueue(workers, batches(examples, cfg.data.train_batch_size, cfg.data.seed), cfg, 1)
+        queue = RolloutQueue(workers, batches(examples, cfg.data.train_batch_size, cfg.data.seed), cfg, taken=0)
         for step in range(1, warmup + steps + 1):
-            prompts, pending = queue.pop(step)
-            rows.append(controller.grpo_step(step, prompts, pending, workers, tokenizer, grader, cfg))
+            rows.append(controller.grpo_step(step, queue, workers, tokenizer, grader, cfg)[0])
             if step < warmup + steps:
-                queue.fill_through(step + 1)
+                queue.fill_after(step)
         pinned = json.loads((run_dir / "placement.json").read_text())
     finally:
         workers.shutdown()

@@ -112,7 +112,7 @@ def gap(net, rollouts: list, micro: int = 4) -> dict[str, float]:
     for i in range(0, len(rollouts), micro):
         part = rollouts[i:i + micro]
         batch = TrainBatch([r.prompt_ids for r in part], [r.completion_ids for r in part],
-                           [r.logprobs for r in part], [0.0] * len(part), 1.0)
+                           [r.logprobs for r in part], [[0.0] * len(r.logprobs) for r in part], 1.0)
         t = pad_batch(batch, pad_id=1, device=torch.device("cpu"))
         with torch.no_grad():
             log_prob, _ = token_logprobs(net, t, 1.0, with_entropy=False)
@@ -136,7 +136,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     load_before = os.getloadavg()
-    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:

@@ -48,8 +48,8 @@ def synthetic_batch(sequences: int, prompt_len: int, completion_len: int, vocab:
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(sequences)]
     completions = [[rng.randrange(vocab) for _ in range(completion_len)] for _ in range(sequences)]
-    return TrainBatch(prompts, completions, [[-1.0] * completion_len] * sequences,
-                      [rng.choice([-1.0, 1.0]) for _ in range(sequences)], temperature=1.0)
+    advantages = [[rng.choice([-1.0, 1.0])] * completion_len for _ in range(sequences)]
+    return TrainBatch(prompts, completions, [[-1.0] * completion_len] * sequences, advantages, temperature=1.0)
 
 
 def profile(model: Path, world_size: int, return_freed_memory: bool, args) -> dict:
@@ -106,7 +106,7 @@ def main() -> None:
 
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # as real_size.py runs
     load_before = os.getloadavg()
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=2 * 2**30, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=2 * 2**30, log_to_driver=False)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         model = real_size.build_model_in_subprocess(Path(tmp) / "model")

@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "weight_sync.json"))
     args = parser.parse_args()
 
-    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=3 * 2**30, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=3 * 2**30, log_to_driver=False)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
         results = {m: measure(m, args.transports, args.repeats, args.bucket_mb, shm_dir) for m in args.models}

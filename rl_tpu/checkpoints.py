@@ -4,12 +4,14 @@ A checkpoint is `RUN_DIR/checkpoints/step_N`: the trainer ranks' sharded model, 
 scheduler state (torch.distributed.checkpoint). The ranks write into `step_N.partial` and rank 0
 renames it once all have finished, so only a folder named exactly `step_N` with a `.metadata`
 file is complete; anything else (a crash mid-save) is ignored and removed by the next save.
-The rest of what decides the next step needs no saving: the prompts' order is replayed from
-the data seed, and every prompt's sampling seed follows from the run's seed and the step.
+Next to it, `data.json` holds how many generation batches the steps so far took (the step, unless
+dynamic sampling took more): the prompts' order is replayed from the data seed past them, and every
+prompt's sampling seed follows from the run's seed and its batch's number.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -55,6 +57,19 @@ def resume_point(run_dir: Path, this_run: bool, resume_from: str | None) -> Path
     if this_run and complete(run_dir):
         return complete(run_dir)[-1]
     return latest(Path(resume_from).expanduser()) if resume_from else None
+
+
+DATA_POSITION = "data.json"
+
+
+def save_data_position(checkpoint: Path, gen_batches_taken: int) -> None:
+    (checkpoint / DATA_POSITION).write_text(json.dumps({"gen_batches_taken": gen_batches_taken}))
+
+
+def data_position(checkpoint: Path) -> int:
+    """Generation batches taken before this checkpoint; a checkpoint without the file took one per step."""
+    path = checkpoint / DATA_POSITION
+    return json.loads(path.read_text())["gen_batches_taken"] if path.is_file() else step_of(checkpoint)
 
 
 def every(checkpoint_every: int | None, total_steps: int) -> int:

@@ -52,7 +52,7 @@ def field_comments(source: str) -> dict[tuple[str, str], str]:
 
 def one_line(text: str) -> str:
     """The first sentence, cut to fit a terminal line."""
-    sentence = re.split(r"(?<!e\.g)(?<!i\.e)\.\s+", text)[0].rstrip(".")
+    sentence = re.split(r"(?<!e\.g)(?<!i\.e)(?<!Dr)\.\s+", text)[0].rstrip(".")
     return sentence if len(sentence) <= MAX_DESCRIPTION else sentence[:MAX_DESCRIPTION - 3].rstrip() + "..."
 
 

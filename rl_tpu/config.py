@@ -60,11 +60,40 @@ class Tracker(str, Enum):
     clearml = "clearml"
 
 
-class LossAggMode(str, Enum):
-    token_mean = "token-mean"
-    token_sum = "token-sum"
-    seq_mean_token_sum = "seq-mean-token-sum"
-    seq_mean_token_mean = "seq-mean-token-mean"
+# verl's names, dashes and all: OmegaConf looks enum values up by member name, so the names are verl's strings
+LossAggMode = Enum("LossAggMode", {mode: mode for mode in (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",  # Dr. GRPO: token sums over a constant length
+)}, type=str)
+
+
+class LossMode(str, Enum):
+    """verl 0.9.1's registered policy losses (core_algos.POLICY_LOSS_REGISTRY), by its names."""
+
+    vanilla = "vanilla"  # PPO-clip (dual-clip below with clip_ratio_c)
+    gspo = "gspo"  # sequence-level ratio (GSPO)
+    gpg = "gpg"  # no ratio: -A * logprob (GPG)
+    clip_cov = "clip_cov"  # clip the tokens of highest covariance (Clip-Cov)
+    kl_cov = "kl_cov"  # a KL term on the tokens of highest covariance (KL-Cov)
+    geo_mean = "geo_mean"  # geometric mean of the token ratios (GMPO)
+    cispo = "cispo"  # clipped IS weight times the logprob gradient (CISPO)
+    sapo = "sapo"  # soft gates instead of hard clipping (SAPO; aggregates seq-mean-token-mean)
+    dppo_kl = "dppo_kl"  # divergence-based trust region, KL (DPPO)
+    dppo_tv = "dppo_tv"  # divergence-based trust region, total variation (DPPO)
+    dro = "dro"  # quadratic log-ratio penalty (needs policy_loss.dro_beta)
+    bypass_mode = "bypass_mode"  # old logprobs are the sampler's; PPO-clip or REINFORCE (rollout_correction)
+
+
+class OldLogprobSource(str, Enum):
+    trainer = "trainer"  # recomputed by the trainer before the first update (verl's default)
+    sampler = "sampler"  # the sampler's own logprobs (no extra forward; the ratio also holds the mismatch)
+
+
+class RolloutIS(str, Enum):
+    auto = "auto"  # token-level in async mode, off in the synchronous loop
+    token = "token"  # per-token truncated importance weights (TIS)
+    sequence = "sequence"  # one weight per sequence: the product of its token ratios, truncated
+    off = "off"
 
 
 @dataclass
@@ -142,24 +171,78 @@ class SamplerConfig:
 
 
 @dataclass
-class ActorConfig:
-    """Policy-loss settings, named as in verl's `actor_rollout_ref.actor`."""
+class RolloutCorrectionConfig:
+    """`policy_loss.loss_mode=bypass_mode` only: verl's `rollout_correction` keys."""
 
+    loss_type: str = "ppo_clip"  # ppo_clip (the ratio to the sampler is clipped) or reinforce (IS-weighted)
+    rollout_is: Optional[str] = "token"  # token, sequence or null: the IS weights reinforce applies
+    rollout_is_threshold: float = 2.0
+
+
+@dataclass
+class PolicyLossConfig:
+    """verl's `actor.policy_loss`: which registered loss, and the settings only some losses read."""
+
+    loss_mode: LossMode = LossMode.vanilla
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens clipped
+    clip_cov_lb: float = 1.0  # clip_cov: covariance bounds of the clipped tokens
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens given the KL term
+    ppo_kl_coef: float = 0.1  # kl_cov: that term's coefficient
+    dro_beta: Optional[float] = None  # dro: the penalty's coefficient (required)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class ActorConfig:
+    """Policy-loss and update settings, named as in verl's `actor_rollout_ref.actor`."""
+
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     clip_ratio: float = 0.2  # PPO clip range, both sides unless the next two are set
     clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    loss_agg_mode: LossAggMode = LossAggMode.token_mean  # how token losses become the batch's loss
+    clip_ratio_high: Optional[float] = None  # above clip_ratio_low: DAPO's clip-higher
+    clip_ratio_c: float = 3.0  # dual-clip PPO: the bound on the loss of negative-advantage tokens
+    loss_agg_mode: LossAggMode = LossAggMode["token-mean"]  # how token losses become the batch's loss
+    # seq-mean-token-sum-norm divides by this; None: sampler.response_length (a constant, as Dr. GRPO wants)
+    loss_scale_factor: Optional[int] = None
+    tau_pos: float = 1.0  # sapo: gate temperatures for positive and negative advantages
+    tau_neg: float = 1.05
+    # prompts per optimizer update (x sampler.n sequences); None: the whole batch, one update per epoch
+    ppo_mini_batch_size: Optional[int] = None
+    ppo_epochs: int = 1  # passes over the batch; each mini-batch of each pass is one optimizer update
+    old_logprob_source: OldLogprobSource = OldLogprobSource.trainer  # the PPO ratio's denominator
     use_kl_loss: bool = False  # a KL penalty to the initial policy in the loss
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # verl's KL estimator
+    kl_loss_type: str = "low_var_kl"  # verl's KL estimator: k1, k2 (mse), k3 (low_var_kl), abs; "+": k2 gradient
     entropy_coeff: float = 0.0  # entropy bonus
-    rollout_is_threshold: float = 2.0  # async mode: importance weights are truncated at this (TIS)
+    # importance weights pi_trainer / pi_sampler, truncated (TIS): they correct stale or bf16 rollouts
+    rollout_is: RolloutIS = RolloutIS.auto
+    rollout_is_threshold: float = 2.0  # importance weights are truncated at this (TIS)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling, by verl's `algorithm.filter_groups` keys (rl_tpu/batch_shaping.py)."""
+
+    enable: bool = False  # drop groups whose rewards are all equal and generate more until the batch is full
+    metric: Optional[str] = None  # what must vary within a group: a reward's name (reward.combine); None: the score
+    # generation batches per step at most; past it, groups without variation fill the rest (zero advantage)
+    max_num_gen_batches: int = 10
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # verl's advantage estimator: grpo or rloo
+    # verl's estimator: grpo, rloo, opo, gpg, gdpo, grpo_passk, reinforce_plus_plus(_baseline), grpo/rloo_vectorized.
+    # verl's others need a critic or inputs rl_tpu does not make (algorithms.REFUSED_ESTIMATORS)
+    adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # divide each group's advantages by its reward std (false: Dr. GRPO)
+    gamma: float = 1.0  # discount (reinforce_plus_plus)
+    lam: float = 1.0
+    # gdpo: the reward components normalised one by one (names in reward.combine), and their weights
+    gdpo_reward_keys: Optional[list[str]] = None
+    gdpo_reward_weights: Optional[list[float]] = None
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_filter: bool = False  # DAPO's overlong filtering: truncated completions are left out of the loss
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -242,6 +325,16 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment, by verl's keys: completions longer than sampler.response_length - len
+    lose up to penalty_factor, in proportion to how far into the buffer they reach."""
+
+    enable: bool = False
+    len: Optional[int] = None  # the buffer's length in tokens; None: a fifth of it (DAPO: 4096 of 20480)
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     name: str = "arithmetic"  # a built-in: arithmetic, gsm8k, math, format (rewards/NAME.py)
     # A weighted sum instead of one reward, e.g. {gsm8k: 1.0, format: 0.1}; the key `custom` is the
@@ -256,6 +349,7 @@ class RewardConfig:
     worker_memory_mb: Optional[int] = 4096
     # environment variables a worker keeps (besides PATH, HOME, locale and temp-dir ones); secrets stay out
     pass_env: list[str] = field(default_factory=list)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

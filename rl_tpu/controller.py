@@ -11,29 +11,27 @@ older weights. The held-out evaluation is graded while the sampler generates the
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import statistics
 import time
-from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from rl_tpu import algorithms, checkpoints, placement, plots, precision, tracking
+from rl_tpu import algorithms, batch_shaping, checkpoints, placement, plots, precision, rollout_queue, tracking
 from rl_tpu.config import RayConfig, RunConfig, Tracker, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
 from rl_tpu.device import Device
 from rl_tpu.export import push_to_hub, write_model_card
-from rl_tpu.grader import Grader, Grades, Sample, reward_sources
+from rl_tpu.grader import Grader, Grades, reward_sources
 from rl_tpu.metrics import MetricsLogger, final_accuracy
 from rl_tpu.models import check_decoder, resolve_model_path
 from rl_tpu.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
-from rl_tpu.rollout import Rollout, TrainBatch
+from rl_tpu.rollout import TrainBatch
+from rl_tpu.rollout_queue import RolloutQueue, grade
 from rl_tpu.sampler import SamplingSettings
 from rl_tpu.sampler_pool import PendingRollouts
 from rl_tpu.workers import Workers, start_workers
@@ -43,9 +41,10 @@ log = logging.getLogger(__name__)
 
 def validate(cfg: RunConfig) -> None:
     """Value checks the type system cannot express; each names the key and what is allowed."""
-    algorithms.validate_adv_estimator(cfg.algorithm.adv_estimator)
-    algorithms.validate_kl_loss_type(cfg.actor.kl_loss_type)
-    reward_sources(cfg.reward, cfg.custom_reward_function)
+    reward_names = [s.label for s in reward_sources(cfg.reward, cfg.custom_reward_function)]
+    algorithms.validate(cfg, reward_names)
+    batch_shaping.validate(cfg.algorithm.filter_groups, reward_names, cfg.reward.overlong_buffer,
+                           cfg.sampler.response_length)
     t = cfg.trainer
     if min(t.eval_every, t.micro_batch_size, t.total_steps, cfg.data.train_batch_size) < 1:
         raise ValueError(f"trainer.eval_every={t.eval_every}, trainer.micro_batch_size={t.micro_batch_size}, "
@@ -69,8 +68,6 @@ def validate(cfg: RunConfig) -> None:
     if per_step % cfg.trainer.world_size:
         raise ValueError(f"data.train_batch_size * sampler.n = {per_step} sequences must divide evenly over "
                          f"trainer.world_size={cfg.trainer.world_size}")
-    if cfg.sampler.n < 2 and cfg.algorithm.adv_estimator in algorithms.GROUP_ADV_ESTIMATORS:
-        raise ValueError(f"sampler.n={cfg.sampler.n}: group advantages ({cfg.algorithm.adv_estimator}) need n >= 2")
     if cfg.trainer.max_staleness < 0 or cfg.actor.rollout_is_threshold <= 1.0:
         raise ValueError(f"trainer.max_staleness={cfg.trainer.max_staleness} must be >= 0 and "
                          f"actor.rollout_is_threshold={cfg.actor.rollout_is_threshold} > 1")
@@ -79,16 +76,6 @@ def validate(cfg: RunConfig) -> None:
     placement.check_request(cfg)
     if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray
-
-
-def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Future:
-    """Start grading the decoded completions; the future's result is `Grades`, in rollout order."""
-    samples = []
-    for rollout in rollouts:
-        example = prompts[rollout.group]
-        text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
-        samples.append(Sample(example.data_source, text, example.ground_truth, example.extra_info))
-    return grader.submit(samples)
 
 
 def generate_eval(workers: Workers, examples: list[Example], max_tokens: int) -> PendingRollouts:
@@ -107,60 +94,49 @@ def finish_eval(pending: PendingRollouts, examples: list[Example], tokenizer, gr
             "time/eval_wait_s": time.perf_counter() - start}
 
 
-def sampling_seed(seed: int, step: int, prompt: int) -> int:
-    """The seed of one prompt's draws at one step: fixed by the run's seed alone, so a resumed run repeats them."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{prompt}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
-def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig, step: int) -> PendingRollouts:
-    s = cfg.sampler
-    settings = SamplingSettings(s.n, s.temperature, s.top_p, s.top_k, s.response_length)
-    seeds = [sampling_seed(s.seed, step, i) for i in range(len(prompts))]
-    return workers.samplers.generate([p.prompt_ids for p in prompts], settings, seeds)
-
-
-def grpo_step(step: int, prompts: list[Example], pending: PendingRollouts, workers: Workers, tokenizer,
-              grader: Grader, cfg: RunConfig) -> dict[str, float]:
+def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grader: Grader,
+              cfg: RunConfig) -> tuple[dict[str, float], list[Example]]:
+    """One step: the batch's rollouts (graded, shaped), advantages, the update, the weights to the sampler.
+    Returns the step's metrics and the prompts it trained on."""
     t0 = time.perf_counter()
-    rollouts: list[Rollout] = pending.result(cfg.ray.call_timeout_s)
-    allowed = range(max(step - 1 - cfg.trainer.max_staleness, 0), step)
-    outside = {r.weight_version for r in rollouts} - set(allowed)
-    if outside:
-        raise RuntimeError(f"step {step}: rollouts from weight versions {sorted(outside)}, allowed {allowed.start} to "
-                           f"{step - 1} (trainer.max_staleness={cfg.trainer.max_staleness})")
-    oldest_used = min(r.weight_version for r in rollouts)
+    sampled = rollout_queue.collect(step, queue, tokenizer, grader, cfg)
+    rollouts, grades = sampled.batch.rollouts, sampled.batch.grades
     t1 = time.perf_counter()
-    grades: Grades = grade(rollouts, prompts, tokenizer, grader).result()
-    advantages = algorithms.group_advantages(grades.scores, [r.group for r in rollouts], cfg.algorithm)
+    advantages = algorithms.advantages(grades.scores, [r.group for r in rollouts],
+                                       [len(r.completion_ids) for r in rollouts], cfg.algorithm, grades.components)
     t2 = time.perf_counter()
-    is_threshold = cfg.actor.rollout_is_threshold if cfg.trainer.max_staleness > 0 else None
+    in_loss = [r.finish_reason != "length" for r in rollouts] if cfg.algorithm.overlong_filter else None
     workers.release_devices()
-    train = workers.train(TrainBatch([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
-                                     [r.logprobs for r in rollouts], advantages, cfg.sampler.temperature, is_threshold))
+    train = workers.train(TrainBatch(
+        [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], [r.logprobs for r in rollouts],
+        advantages, cfg.sampler.temperature, algorithms.rollout_is_level(cfg.actor, cfg.trainer.max_staleness > 0),
+        cfg.actor.rollout_is_threshold, in_loss))
     t3 = time.perf_counter()
     bundle = workers.publish(step)
     published = time.perf_counter()
     received = workers.install(bundle)
     t4 = time.perf_counter()
-    gen_tokens = sum(len(r.completion_ids) for r in rollouts)
+    generated = sampled.generated.rollouts  # what the policy produced, before any group was dropped
+    gen_tokens = sum(len(r.completion_ids) for r in generated)
+    oldest_used = min(r.weight_version for r in rollouts)
     return {
-        "reward/mean": statistics.fmean(grades.scores),
-        "reward/std": statistics.pstdev(grades.scores),
-        **grades.metrics("reward"),
+        "reward/mean": statistics.fmean(sampled.generated.grades.scores),
+        "reward/std": statistics.pstdev(sampled.generated.grades.scores),
+        **sampled.generated.grades.metrics("reward"),
+        **sampled.metrics(),
         "rollout/samples": float(len(rollouts)),
-        "response/length_mean": gen_tokens / len(rollouts),
-        "response/truncated_frac": statistics.fmean(r.finish_reason == "length" for r in rollouts),
+        "response/length_mean": gen_tokens / len(generated),
+        "response/truncated_frac": statistics.fmean(r.finish_reason == "length" for r in generated),
         **train,
-        "time/generate_s": t1 - t0,  # waiting for the sampler (its work may have started earlier)
-        "time/reward_s": t2 - t1,
+        "time/generate_s": sampled.generate_s,  # waiting for the sampler (its work may have started earlier)
+        "time/reward_s": sampled.reward_s + (t2 - t1),  # grading, shaping and the advantages
         "time/train_step_s": t3 - t2,
         "time/sync_s": t4 - t3,
         "time/step_s": t4 - t0,
         # no rank computed: waiting for rollouts, grades and the engines' install (async mode hides generation)
         "time/trainer_idle_s": max(0.0, (t4 - t0) - train["time/train_s"] - (published - t3)),
         **{k: v for k, v in received.items() if k.startswith("time/")},  # time/sampler_idle_s
-        "perf/gen_tokens_per_s": gen_tokens / (t1 - t0),
+        "perf/gen_tokens_per_s": gen_tokens / sampled.generate_s,
         "perf/train_tokens_per_s": train["perf/train_tokens"] / train["time/train_s"],
         "rollout/weight_version": float(oldest_used),
         "rollout/staleness": float(step - 1 - oldest_used),
@@ -173,29 +149,8 @@ def grpo_step(step: int, prompts: list[Example], pending: PendingRollouts, worke
         "sync/install_wait_s": received["install_wait_s"],  # for the engine's generation under way to end
         "perf/sampler_peak_rss_mb": received["peak_rss_mb"],
         **{k: v for k, v in received.items() if k.startswith("sampler/")},
-        **pending.shares(),
-    }
-
-
-class RolloutQueue:
-    """Generations queued on the sampler in step order, each batch `trainer.max_staleness` steps ahead at most."""
-
-    def __init__(self, workers: Workers, prompt_batches, cfg: RunConfig, first_step: int):
-        self.workers, self.prompt_batches, self.cfg = workers, prompt_batches, cfg
-        self.pending: deque[tuple[list[Example], PendingRollouts]] = deque()
-        self.next_step = first_step  # the step whose batch is queued next
-
-    def fill_through(self, step: int) -> None:
-        """Queue every batch up to step `step + max_staleness` (and not past the last step)."""
-        last = min(step + self.cfg.trainer.max_staleness, self.cfg.trainer.total_steps)
-        while self.next_step <= last:
-            prompts = next(self.prompt_batches)
-            self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg, self.next_step)))
-            self.next_step += 1
-
-    def pop(self, step: int) -> tuple[list[Example], PendingRollouts]:
-        self.fill_through(step)
-        return self.pending.popleft()
+        **sampled.shares,
+    }, sampled.batch.prompts
 
 
 def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
@@ -223,15 +178,17 @@ class Job:
     stop: StopRequest
 
 
-def save_checkpoint(job: Job, workers: Workers, step: int) -> Path:
+def save_checkpoint(job: Job, workers: Workers, step: int, queue: RolloutQueue) -> Path:
     folder = checkpoints.folder_for(job.run_dir, step)
     workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder))
+    checkpoints.save_data_position(folder, queue.taken)
     checkpoints.prune(job.run_dir, job.cfg.trainer.keep_last)
     return folder
 
 
-def resume(job: Job, workers: Workers, restarted: bool) -> int:
-    """Load the trainer state and give the sampler the same weights; returns the step to continue after.
+def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, int]:
+    """Load the trainer state and give the sampler the same weights; returns the step to continue after, and
+    the generation batches taken up to it.
 
     `trainer.resume=auto` and a restart continue this run folder (its metrics too); `trainer.resume_from`
     starts a new folder from another run's checkpoint.
@@ -240,20 +197,20 @@ def resume(job: Job, workers: Workers, restarted: bool) -> int:
     checkpoint = checkpoints.resume_point(job.run_dir, restarted or value_of(t.resume) == "auto", t.resume_from)
     if checkpoint is None:
         job.logger.truncate_after(None)
-        return 0
+        return 0, 0
     step = checkpoints.step_of(checkpoint)
     workers.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
     workers.install(workers.publish(step))
     job.logger.truncate_after(step if checkpoint.is_relative_to(job.run_dir) else None)
     log.info("resumed from %s at step %d", checkpoint, step)
-    return step
+    return step, checkpoints.data_position(checkpoint)
 
 
-def stop_early(job: Job, workers: Workers, step: int, saved: int) -> None:
+def stop_early(job: Job, workers: Workers, step: int, saved: int, queue: RolloutQueue) -> None:
     """A signal asked the run to stop: save after `step` unless that is saved already, and stop."""
     checkpoint = checkpoints.folder_for(job.run_dir, saved) if saved else None
     if step > saved:
-        checkpoint = save_checkpoint(job, workers, step)
+        checkpoint = save_checkpoint(job, workers, step, queue)
     raise RunInterrupted(step, job.stop.requested, checkpoint)
 
 
@@ -264,31 +221,30 @@ def train(job: Job, restarted: bool) -> None:
     checkpoint_every = checkpoints.every(cfg.trainer.checkpoint_every, total)
     workers = start_workers(cfg, job.model_path, job.run_dir, job.kind)
     try:
-        start_step = resume(job, workers, restarted)
+        start_step, taken = resume(job, workers, restarted)
         if not logger.records:  # a run continuing its own folder has its evaluation at start_step already
             first = finish_eval(generate_eval(workers, job.eval_examples, max_tokens), job.eval_examples,
                                 job.tokenizer, job.grader, timeout)
             logger.log(start_step, {**first, "sync/version": float(start_step)})
         prompt_batches = batches(job.train_examples, cfg.data.train_batch_size, cfg.data.seed)
-        for _ in range(start_step):  # the same batches a run that never stopped would see next
+        for _ in range(taken):  # the same batches a run that never stopped would see next
             next(prompt_batches)
-        queue = RolloutQueue(workers, prompt_batches, cfg, first_step=start_step + 1)
+        queue = RolloutQueue(workers, prompt_batches, cfg, taken)
         guard, saved = SkippedStepGuard(cfg.trainer.max_skipped_steps), start_step
         for step in range(start_step + 1, total + 1):
             if job.stop.requested:
-                stop_early(job, workers, step - 1, saved)
-            prompts, pending = queue.pop(step)
-            metrics = grpo_step(step, prompts, pending, workers, job.tokenizer, job.grader, cfg)
+                stop_early(job, workers, step - 1, saved, queue)
+            metrics, prompts = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg)
             guard.observe(step, metrics, prompts)
             pending_eval = None
             if step % cfg.trainer.eval_every == 0 or step == total:
                 pending_eval = generate_eval(workers, job.eval_examples, max_tokens)
-            queue.fill_through(step + 1)  # behind the evaluation on the sampler: this step's weights or older
+            queue.fill_after(step)  # behind the evaluation on the sampler: this step's weights or older
             if pending_eval is not None:
                 metrics.update(finish_eval(pending_eval, job.eval_examples, job.tokenizer, job.grader, timeout))
             logger.log(step, metrics)
             if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
-                save_checkpoint(job, workers, step)
+                save_checkpoint(job, workers, step, queue)
                 saved = step
         if cfg.trainer.export:
             workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
@@ -314,7 +270,9 @@ def start_ray(cfg: RayConfig) -> None:
     if cfg.address:
         ray.init(address=cfg.address, log_to_driver=False)
         return
-    ray.init(num_cpus=cfg.num_cpus or (os.cpu_count() or 1) + 1, include_dashboard=False,
+    # "local": a cluster of this run's own, even when another process on this host runs one (plain ray.init()
+    # would join that one, and then refuse the CPU count)
+    ray.init(address="local", num_cpus=cfg.num_cpus or (os.cpu_count() or 1) + 1, include_dashboard=False,
              object_store_memory=cfg.object_store_mb * 2**20, log_to_driver=False)
 
 

@@ -115,6 +115,24 @@ class Grades:
         out[f"{prefix}/timeouts"] = float(sum(f.kind == "timeout" for f in self.failures))
         return out
 
+    @staticmethod
+    def concat(parts: list["Grades"]) -> "Grades":
+        """Several batches' grades as one, in order (failures renumbered)."""
+        failures, offset, extras = [], 0, {}
+        for part in parts:
+            failures += [dataclasses.replace(f, index=f.index + offset) for f in part.failures]
+            offset += len(part.scores)
+            for key, values in part.extras.items():
+                extras.setdefault(key, []).extend(values)
+        components = {name: [v for part in parts for v in part.components[name]] for name in parts[0].components}
+        return Grades([v for part in parts for v in part.scores], components, extras, failures,
+                      sum(part.seconds for part in parts))
+
+    def take(self, rows: list[int]) -> "Grades":
+        """The scores and components of these samples (extras and failures stay with the whole batch's)."""
+        return Grades([self.scores[i] for i in rows], {k: [v[i] for i in rows] for k, v in self.components.items()},
+                      {}, [], self.seconds)
+
 
 @dataclass
 class _Worker:

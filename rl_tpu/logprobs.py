@@ -41,16 +41,17 @@ def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device,
     response_mask = torch.zeros((rows, resp_len))
     sampler_logprobs = torch.zeros((rows, resp_len))
     targets = torch.full((rows, resp_len), pad_id, dtype=torch.long)
+    advantages = torch.zeros((rows, resp_len))
     for i, (prompt, completion) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
         n_p, n_c = len(prompt), len(completion)
         input_ids[i, prompt_len - n_p: prompt_len + n_c] = torch.tensor(prompt + completion)
         attention_mask[i, prompt_len - n_p: prompt_len + n_c] = 1
-        response_mask[i, :n_c] = 1
+        response_mask[i, :n_c] = float(batch.in_loss(i))
         targets[i, :n_c] = torch.tensor(completion)
         sampler_logprobs[i, :n_c] = torch.tensor(batch.sampler_logprobs[i])
+        advantages[i, :n_c] = torch.tensor(batch.advantages[i])
     # positions count from each row's first real token, as the sampler numbers them
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    advantages = torch.tensor(batch.advantages, dtype=torch.float32)[:, None] * response_mask
     tensors = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, targets=targets,
                    response_mask=response_mask, sampler_logprobs=sampler_logprobs, advantages=advantages)
     return {k: v.to(device) for k, v in tensors.items()}

@@ -7,6 +7,7 @@ consumes: rollouts flattened with their advantages.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -28,34 +29,55 @@ class Rollout:
 
 @dataclass
 class TrainBatch:
-    """Rollouts for one optimizer step, in the order the trainer sees them."""
+    """Rollouts for one training step, in the order the trainer sees them."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     sampler_logprobs: list[list[float]]
-    advantages: list[float]  # one scalar per sequence (outcome reward), broadcast over its tokens
+    advantages: list[list[float]]  # one per completion token (outcome estimators give each token the same)
     temperature: float
-    # Async mode: truncate importance weights (trainer / sampler probability) at this; None: on-policy, no weights
-    rollout_is_threshold: float | None = None
+    # importance weights pi_trainer / pi_sampler: "token", "sequence", or None (on-policy: no weights)
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0  # the weights are truncated at this
+    # per sequence, whether its tokens are in the loss (overlong filtering leaves truncated ones out); None: all
+    loss_mask: list[bool] | None = None
+
+    def __post_init__(self) -> None:
+        for i, (completion, advantages) in enumerate(zip(self.completion_ids, self.advantages, strict=True)):
+            if len(advantages) != len(completion):
+                raise ValueError(f"sequence {i} has {len(completion)} completion tokens but {len(advantages)} "
+                                 "advantages")
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def _take(self, rows) -> "TrainBatch":
+        rows = list(rows)
+        return dataclasses.replace(self, prompt_ids=[self.prompt_ids[i] for i in rows],
+                                   completion_ids=[self.completion_ids[i] for i in rows],
+                                   sampler_logprobs=[self.sampler_logprobs[i] for i in rows],
+                                   advantages=[self.advantages[i] for i in rows],
+                                   loss_mask=None if self.loss_mask is None else [self.loss_mask[i] for i in rows])
+
     def shard(self, rank: int, world_size: int) -> "TrainBatch":
         """The contiguous slice a data-parallel rank trains on."""
         per_rank = -(-len(self) // world_size)
-        sl = slice(rank * per_rank, (rank + 1) * per_rank)
-        return TrainBatch(self.prompt_ids[sl], self.completion_ids[sl], self.sampler_logprobs[sl],
-                          self.advantages[sl], self.temperature, self.rollout_is_threshold)
+        return self._take(range(len(self))[rank * per_rank: (rank + 1) * per_rank])
 
     def sorted_by_length(self) -> "TrainBatch":
         """The same sequences by completion length, then prompt length, so that a micro-batch pads less: each
         pads its prompts to its longest prompt and its completions to its longest completion. A group's
         completions share one prompt, so completion length is the key that varies most."""
-        order = sorted(range(len(self)), key=lambda i: (len(self.completion_ids[i]), len(self.prompt_ids[i])))
-        return TrainBatch([self.prompt_ids[i] for i in order], [self.completion_ids[i] for i in order],
-                          [self.sampler_logprobs[i] for i in order], [self.advantages[i] for i in order],
-                          self.temperature, self.rollout_is_threshold)
+        return self._take(sorted(range(len(self)),
+                                 key=lambda i: (len(self.completion_ids[i]), len(self.prompt_ids[i]))))
+
+    def in_loss(self, i: int) -> bool:
+        return self.loss_mask is None or self.loss_mask[i]
 
     def num_tokens(self) -> int:
-        return sum(len(c) for c in self.completion_ids)
+        """Completion tokens in the loss."""
+        return sum(len(c) for i, c in enumerate(self.completion_ids) if self.in_loss(i))
+
+    def num_seqs(self) -> int:
+        """Sequences in the loss."""
+        return sum(self.in_loss(i) for i in range(len(self)))

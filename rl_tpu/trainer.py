@@ -84,6 +84,10 @@ class TrainerWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / algo.warmup_steps) if algo.warmup_steps else 1.0)
         self.pad_id = self._pad_id()
+        self.policy_loss = algorithms.PolicyLoss(cfg.actor, cfg.sampler.response_length)
+        # bypass_mode is verl's name for a loss whose old logprobs are the sampler's
+        bypass = value_of(cfg.actor.policy_loss.loss_mode) == "bypass_mode"
+        self.old_logprob_source = "sampler" if bypass else value_of(cfg.actor.old_logprob_source)
         # the collective sender (rank 0) listens on its own node's address, where the engines connect
         self.transport = sync.make_transport(value_of(cfg.sync.transport), cfg.sync.shm_dir, host=master_addr,
                                              receivers=cfg.sampler.num_engines)
@@ -127,57 +131,92 @@ class TrainerWorker:
         return int(pad if pad is not None else (eos[0] if isinstance(eos, list) else eos))
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """PPO updates on one batch: `actor.ppo_epochs` passes over its mini-batches, one optimizer step each.
+
+        The PPO ratio's old logprobs are those of the weights before the first update (or the sampler's,
+        `actor.old_logprob_source`); with a single update they are the current ones, taken from its forward.
+        """
         start = time.perf_counter()
         actor = self.cfg.actor
-        local = batch.shard(self.rank, self.world_size)
+        mini_size = len(batch) if actor.ppo_mini_batch_size is None else actor.ppo_mini_batch_size * self.cfg.sampler.n
+        minis = micro_batches(batch, mini_size)
+        self.model.train()
+        prepared = [self._prepare(mini, single_update=len(minis) * actor.ppo_epochs == 1) for mini in minis]
+        sums: dict[str, float] = defaultdict(float)
+        grad_norms = []
+        for epoch in range(actor.ppo_epochs):
+            for mini, micros in zip(minis, prepared):
+                for t in micros:
+                    self._backward(t, mini, batch, sums, first_epoch=epoch == 0)
+                grad_norms.append(self._optimizer_step())
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        skipped = len(grad_norms) - len(finite)
+        if finite:  # the schedule counts steps that changed the weights
+            self.scheduler.step()
+        metrics = self._reduce_metrics(sums, sum(finite) / len(finite) if finite else math.nan, len(grad_norms),
+                                       time.perf_counter() - start)
+        if skipped:  # a non-finite loss or gradient: that update's figures are not numbers; the rest are kept
+            metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        return {**metrics, "actor/skipped": float(skipped > 0), "actor/skipped_updates": float(skipped)}
+
+    def _prepare(self, mini: TrainBatch, single_update: bool) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of a mini-batch, padded, with the logprobs the updates compare against:
+        the reference model's, and the old policy's (None: the one update's own forward gives them)."""
+        local = mini.shard(self.rank, self.world_size)
         if self.cfg.trainer.sort_by_length:
             local = local.sorted_by_length()
-        global_tokens, global_seqs = batch.num_tokens(), len(batch)
-        sums: dict[str, float] = defaultdict(float)
-        self.model.train()
+        chunk, temperature = self.cfg.trainer.logprob_chunk_size, mini.temperature
+        micros = []
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
             t = pad_batch(micro, self.pad_id, self.device.torch_device, self.cfg.trainer.seq_buckets)
-            chunk = self.cfg.trainer.logprob_chunk_size
-            log_prob, entropy = token_logprobs(self.model, t, batch.temperature, chunk=chunk)
-            ref_log_prob = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_log_prob, _ = token_logprobs(self.ref_model, t, batch.temperature, with_entropy=False,
-                                                     chunk=chunk)
-            # One optimizer step per batch: the PPO ratio is taken against the current weights (it is 1);
-            # rollouts from older weights (async mode) are reweighted by truncated importance sampling.
-            is_weights, is_metrics = None, {}
-            if batch.rollout_is_threshold is not None:
-                is_weights, is_metrics = algorithms.truncated_is_weights(
-                    log_prob, t["sampler_logprobs"], t["response_mask"], batch.rollout_is_threshold)
-            loss, metrics = algorithms.policy_loss(
-                log_prob, log_prob.detach(), t["advantages"], t["response_mask"], actor, global_tokens, global_seqs,
-                self.world_size, ref_log_prob=ref_log_prob, entropy=entropy, rollout_is_weights=is_weights)
-            metrics.update(is_metrics)
-            loss.backward()
-            mask = t["response_mask"]
-            n_tok = mask.sum().item()
-            sums["loss"] += loss.item()
+            with torch.no_grad():
+                if self.old_logprob_source == "sampler":
+                    t["old_log_probs"] = t["sampler_logprobs"]
+                elif not single_update:
+                    t["old_log_probs"] = token_logprobs(self.model, t, temperature, False, chunk)[0]
+                if self.ref_model is not None:
+                    t["ref_log_probs"] = token_logprobs(self.ref_model, t, temperature, False, chunk)[0]
+            micros.append(t)
+        return micros
+
+    def _backward(self, t: dict[str, torch.Tensor], mini: TrainBatch, batch: TrainBatch, sums: dict[str, float],
+                  first_epoch: bool) -> None:
+        """Forward, loss and backward of one micro-batch of an update; adds its figures to `sums`."""
+        log_prob, entropy = token_logprobs(self.model, t, batch.temperature, chunk=self.cfg.trainer.logprob_chunk_size)
+        old_log_prob = t.get("old_log_probs", log_prob.detach())
+        mask = t["response_mask"]
+        is_weights, is_metrics = None, {}
+        if batch.rollout_is is not None:  # stale (async) or mismatched (bf16) rollouts: truncated IS weights
+            is_weights, is_metrics = algorithms.truncated_is_weights(
+                old_log_prob, t["sampler_logprobs"], mask, batch.rollout_is_threshold, batch.rollout_is)
+        loss, metrics = self.policy_loss(log_prob, old_log_prob, t["advantages"], mask, max(mini.num_tokens(), 1),
+                                         max(mini.num_seqs(), 1), self.world_size,
+                                         ref_log_prob=t.get("ref_log_probs"), entropy=entropy,
+                                         rollout_is_weights=is_weights)
+        loss.backward()
+        n_tok = mask.sum().item()
+        sums["loss"] += loss.item()
+        sums["update_tokens"] += n_tok
+        for key, value in {**metrics, **is_metrics}.items():
+            sums[key] += value * n_tok  # token-weighted average over micro-batches and updates
+        if first_epoch:  # what the batch is, measured once: before any update changed the policy
             sums["entropy_sum"] += (entropy.detach() * mask).sum().item()
-            sums["logprob_diff_sum"] += ((log_prob.detach() - t["sampler_logprobs"]).abs() * mask).sum().item()
+            sums["logprob_diff_sum"] += ((old_log_prob - t["sampler_logprobs"]).abs() * mask).sum().item()
             sums["tokens"] += n_tok
             sums["positions_real"] += t["attention_mask"].sum().item()
             sums["positions"] += t["attention_mask"].numel()  # what the forward computes, padding included
-            for key, value in metrics.items():
-                sums[key] += value * n_tok  # token-weighted average over micro-batches
+
+    def _optimizer_step(self) -> float:
+        """Clip and apply the accumulated gradient; a non-finite one is dropped. Returns the gradient norm."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.algorithm.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        skipped = not torch.isfinite(grad_norm)  # a non-finite loss or gradient: nothing of it reaches the weights
-        if not skipped:
+        if torch.isfinite(grad_norm):  # a non-finite loss or gradient: nothing of it reaches the weights
             self.optimizer.step()
-            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._reduce_metrics(sums, grad_norm.item(), time.perf_counter() - start)
-        if skipped:  # the batch's loss and gradient figures are not numbers; the rest of the step's are kept
-            metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        return {**metrics, "actor/skipped": float(skipped)}
+        return grad_norm.item()
 
-    def _reduce_metrics(self, sums: dict[str, float], grad_norm: float, seconds: float) -> dict[str, float]:
+    def _reduce_metrics(self, sums: dict[str, float], grad_norm: float, updates: int,
+                        seconds: float) -> dict[str, float]:
         keys = sorted(sums)
         rss = torch.zeros(self.world_size, dtype=torch.float64)
         rss[self.rank] = peak_rss_mb()
@@ -185,12 +224,13 @@ class TrainerWorker:
         dist.all_reduce(totals)
         total = dict(zip(keys, totals[: len(keys)].tolist()))
         rank_rss = totals[len(keys):].tolist()
-        tokens = max(total.pop("tokens"), 1.0)
+        tokens, update_tokens = max(total.pop("tokens"), 1.0), max(total.pop("update_tokens"), 1.0)
         positions_real, positions = total.pop("positions_real"), max(total.pop("positions"), 1.0)
         out = {
             "perf/padding_frac": 1.0 - positions_real / positions,
             "perf/train_positions": positions_real,  # prompt and completion tokens the forward computed
-            "actor/loss": total.pop("loss") / self.world_size,
+            "actor/loss": total.pop("loss") / (self.world_size * updates),  # the mean of the updates' losses
+            "actor/updates": float(updates),
             "actor/entropy": total.pop("entropy_sum") / tokens,
             "actor/logprob_diff": total.pop("logprob_diff_sum") / tokens,
             "actor/grad_norm": grad_norm,
@@ -200,7 +240,7 @@ class TrainerWorker:
             "perf/trainer_peak_rss_mb": max(rank_rss),  # the largest rank's
             **{f"perf/trainer_{rank}_peak_rss_mb": mb for rank, mb in enumerate(rank_rss)},
         }
-        out.update({k: v / tokens for k, v in total.items()})
+        out.update({k: v / update_tokens for k, v in total.items()})
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -46,7 +46,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     yield ray
     ray.shutdown()
 

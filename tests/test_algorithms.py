@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_tpu import algorithms
-from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode
+from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode, LossMode, PolicyLossConfig
 from rl_tpu.models.tiny import build_model
 from rl_tpu.rollout import TrainBatch
 from rl_tpu.logprobs import pad_batch, token_logprobs
@@ -23,7 +23,8 @@ def make_batch(seed: int = 0, size: int = 8, temperature: float = 0.7) -> TrainB
     # "sampler" logprobs that differ from the policy's, so PPO clipping is exercised
     sampler = [[-rng.uniform(0.5, 6.0) for _ in c] for c in completions]
     rewards = [float(rng.random() < 0.5) for _ in range(size)]
-    advantages = algorithms.group_advantages(rewards, [i // 4 for i in range(size)], AlgorithmConfig())
+    advantages = algorithms.advantages(rewards, [i // 4 for i in range(size)], [len(c) for c in completions],
+                                       AlgorithmConfig())
     return TrainBatch(prompts, completions, sampler, advantages, temperature)
 
 
@@ -32,27 +33,104 @@ def small_model() -> torch.nn.Module:
                        max_positions=64, seed=0)
 
 
+def test_the_menus_are_verls_registries():
+    """Every policy loss verl 0.9.1 registers is a LossMode; every estimator is exposed or refused with a reason."""
+    from verl.trainer.ppo import core_algos
+
+    assert {m.value for m in LossMode} == set(core_algos.POLICY_LOSS_REGISTRY)
+    assert set(algorithms.adv_estimators()) | set(algorithms.REFUSED_ESTIMATORS) == set(
+        core_algos.ADV_ESTIMATOR_REGISTRY)
+    assert "gae" in algorithms.REFUSED_ESTIMATORS and len(algorithms.adv_estimators()) >= 10
+    with pytest.raises(ValueError, match="'gae' is not supported: it needs a value model"):
+        algorithms.validate_adv_estimator("gae")
+    with pytest.raises(ValueError, match="allowed values are .*grpo.*rloo"):
+        algorithms.validate_adv_estimator("gaee")
+
+
 def test_grpo_advantages_match_group_normalisation():
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
     groups = [0, 0, 0, 0, 1, 1, 1, 1]
-    advantages = algorithms.group_advantages(rewards, groups, AlgorithmConfig())
+    lengths = [3, 1, 2, 4, 2, 2, 5, 1]
+    advantages = algorithms.advantages(rewards, groups, lengths, AlgorithmConfig())
+    assert [len(a) for a in advantages] == lengths and all(len(set(a)) == 1 for a in advantages)
     for g in (0, 1):
         scores = torch.tensor([r for r, k in zip(rewards, groups) if k == g])
         expected = (scores - scores.mean()) / (scores.std() + 1e-6)  # verl: unbiased std, eps 1e-6
-        got = torch.tensor([a for a, k in zip(advantages, groups) if k == g])
+        got = torch.tensor([a[0] for a, k in zip(advantages, groups) if k == g])
         torch.testing.assert_close(got, expected)
-    unscaled = algorithms.group_advantages(rewards, groups, AlgorithmConfig(norm_adv_by_std_in_grpo=False))
-    assert unscaled[:4] == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    unscaled = algorithms.advantages(rewards, groups, lengths, AlgorithmConfig(norm_adv_by_std_in_grpo=False))
+    assert [a[0] for a in unscaled[:4]] == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    rloo = algorithms.advantages(rewards, groups, lengths, AlgorithmConfig(adv_estimator="rloo"))
+    # leave-one-out baseline: 1 - mean(0, 0, 1) and 0 - mean(1, 0, 1)
+    assert [a[0] for a in rloo[:2]] == pytest.approx([2 / 3, -2 / 3])
 
 
-def reference_loss_and_grads(model, batch: TrainBatch, mode: str):
-    """verl's compute_policy_loss_vanilla on logprobs from one unpadded forward per sequence."""
+def verl_advantages(name: str, rewards, groups, lengths, components=None):
+    """verl's estimator called directly on a layout built here: each reward on its completion's last token."""
+    from verl.trainer.config import AlgoConfig
     from verl.trainer.ppo import core_algos
-    from verl.workers.config import ActorConfig as VerlActorConfig
+
+    width = max(lengths)
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths])
+    token_rewards = torch.zeros(len(rewards), width)
+    for i, (r, n) in enumerate(zip(rewards, lengths)):
+        token_rewards[i, n - 1] = r
+    config = AlgoConfig(adv_estimator=name, gamma=0.9, gdpo_reward_keys=["arithmetic", "format"],
+                        gdpo_reward_weights=[1.0, 0.5])
+    kwargs = dict(token_level_rewards=token_rewards, response_mask=mask, index=np.asarray(groups), config=config)
+    if name == "gdpo":
+        kwargs["non_tensor_batch"] = {k: np.asarray(v) for k, v in components.items()}
+        kwargs["batch"] = {"prompts": torch.zeros(len(rewards), 3, dtype=torch.long),
+                           "attention_mask": torch.cat([torch.ones(len(rewards), 3), mask], dim=1).long()}
+    advantages, _ = core_algos.get_adv_estimator_fn(name)(**kwargs)
+    return advantages, mask
+
+
+@pytest.mark.parametrize("name", algorithms.adv_estimators())
+def test_every_estimator_equals_verls_own(name):
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 6) for _ in range(12)]
+    groups = [i // 4 for i in range(12)]
+    components = {"arithmetic": [float(rng.random() < 0.5) for _ in lengths],
+                  "format": [float(rng.random() < 0.7) for _ in lengths]}
+    rewards = [a + 0.5 * f for a, f in zip(components["arithmetic"], components["format"])]
+    cfg = AlgorithmConfig(adv_estimator=name, gamma=0.9, gdpo_reward_keys=["arithmetic", "format"],
+                          gdpo_reward_weights=[1.0, 0.5])
+    ours = algorithms.advantages(rewards, groups, lengths, cfg, components)
+    expected, mask = verl_advantages(name, rewards, groups, lengths, components)
+    assert [len(a) for a in ours] == lengths
+    got = torch.tensor([a + [0.0] * (max(lengths) - len(a)) for a in ours])
+    torch.testing.assert_close(got, expected * mask, rtol=1e-5, atol=1e-6)
+    assert got.abs().sum() > 0  # rewards that differ within groups: some advantage is not zero
+
+
+def verl_loss_config(mode: str, agg_mode: str):
+    """The same settings as `actor_config(mode)` below, in verl's own config classes."""
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import ActorConfig as VerlActorConfig, PolicyLossConfig
+
+    return VerlActorConfig(
+        strategy="fsdp", ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1, rollout_n=1, clip_ratio=0.2,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=agg_mode, loss_scale_factor=16,
+        policy_loss=PolicyLossConfig(loss_mode=mode, clip_cov_ratio=0.2, clip_cov_lb=-5.0, clip_cov_ub=5.0,
+                                     kl_cov_ratio=0.2, ppo_kl_coef=0.1, dro_beta=0.1,
+                                     rollout_correction=RolloutCorrectionConfig(rollout_is="token", loss_type="reinforce")))
+
+
+def actor_config(mode: str, agg_mode: str) -> ActorConfig:
+    actor = ActorConfig(clip_ratio_high=0.28, loss_agg_mode=LossAggMode(agg_mode), loss_scale_factor=16)
+    actor.policy_loss = PolicyLossConfig(loss_mode=LossMode(mode), clip_cov_ratio=0.2, clip_cov_lb=-5.0,
+                                         kl_cov_ratio=0.2, dro_beta=0.1)
+    actor.policy_loss.rollout_correction.loss_type = "reinforce"
+    return actor
+
+
+def reference_loss_and_grads(model, batch: TrainBatch, mode: str, agg_mode: str):
+    """verl's registered loss on logprobs from one unpadded forward per sequence, the whole batch at once."""
+    from verl.trainer.ppo import core_algos
 
     model.zero_grad(set_to_none=True)
     resp_len = max(len(c) for c in batch.completion_ids)
-    log_prob = torch.zeros(len(batch), resp_len)
     rows = []
     for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
         logits = model(input_ids=torch.tensor([p + c]), use_cache=False).logits[0, len(p) - 1 : len(p) + len(c) - 1]
@@ -61,56 +139,68 @@ def reference_loss_and_grads(model, batch: TrainBatch, mode: str):
     log_prob = torch.stack(rows)
     mask = torch.tensor([[1.0] * len(c) + [0.0] * (resp_len - len(c)) for c in batch.completion_ids])
     old = torch.tensor([lp + [0.0] * (resp_len - len(lp)) for lp in batch.sampler_logprobs])
-    adv = torch.tensor(batch.advantages)[:, None] * mask
-    cfg = VerlActorConfig(strategy="fsdp", ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
-                          clip_ratio=0.2)
-    loss, _ = core_algos.compute_policy_loss_vanilla(old, log_prob, adv, mask, loss_agg_mode=mode, config=cfg)
+    adv = torch.tensor([a + [0.0] * (resp_len - len(a)) for a in batch.advantages])
+    cfg = verl_loss_config(mode, agg_mode)
+    cfg.global_batch_info.update(loss_scale_factor=16)
+    torch.manual_seed(0)  # clip_cov picks among its candidate tokens at random
+    loss, _ = core_algos.get_policy_loss_fn(mode)(old_log_prob=old, log_prob=log_prob, advantages=adv,
+                                                  response_mask=mask, loss_agg_mode=agg_mode, config=cfg)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def our_loss_and_grads(model, batch: TrainBatch, mode: LossAggMode, micro_size: int, dp_size: int = 1,
+def our_loss_and_grads(model, batch: TrainBatch, actor: ActorConfig, micro_size: int, dp_size: int = 1,
                        global_batch: TrainBatch | None = None):
     """The trainer's path; `global_batch` is the whole batch when `batch` is one rank's shard of it."""
     global_batch = global_batch or batch
+    policy_loss = algorithms.PolicyLoss(actor, response_length=16)
     model.zero_grad(set_to_none=True)
     total = torch.zeros(())
+    torch.manual_seed(0)
     for micro in micro_batches(batch, micro_size):
         t = pad_batch(micro, pad_id=1, device=torch.device("cpu"))
         log_prob, entropy = token_logprobs(model, t, batch.temperature)
-        loss, _ = algorithms.policy_loss(log_prob, t["sampler_logprobs"], t["advantages"], t["response_mask"],
-                                         ActorConfig(loss_agg_mode=mode), global_batch.num_tokens(), len(global_batch), dp_size,
-                                         entropy=entropy)
+        loss, _ = policy_loss(log_prob, t["sampler_logprobs"], t["advantages"], t["response_mask"],
+                              global_batch.num_tokens(), len(global_batch), dp_size, entropy=entropy)
         loss.backward()
         total += loss.detach()
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", [LossAggMode.token_mean, LossAggMode.seq_mean_token_mean])
-@pytest.mark.parametrize("micro_size", [3, 8])
-def test_micro_batched_loss_and_grads_equal_verl_on_full_batch(mode, micro_size):
-    model, batch = small_model(), make_batch()
-    ref_loss, ref_grads = reference_loss_and_grads(model, batch, mode.value)
-    loss, grads = our_loss_and_grads(model, batch, mode, micro_size)
+def assert_same(ours, reference) -> None:
+    (loss, grads), (ref_loss, ref_grads) = ours, reference
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("mode", [m.value for m in LossMode])
+def test_every_loss_mode_equals_verls_own_on_the_whole_batch(mode):
+    """Micro-batches of 3 (their gradients summed) against verl's loss of the unpadded batch at once. clip_cov and
+    kl_cov choose tokens by the statistics of the micro-batch they see (in verl too): one micro-batch of 8."""
+    model, batch = small_model(), make_batch()
+    micro = 8 if mode in algorithms.MICRO_BATCH_STATISTIC_LOSSES else 3
+    reference = reference_loss_and_grads(model, batch, mode, "token-mean")
+    assert_same(our_loss_and_grads(model, batch, actor_config(mode, "token-mean"), micro), reference)
+
+
+@pytest.mark.parametrize("agg_mode", [m.value for m in LossAggMode])
+@pytest.mark.parametrize("micro_size", [3, 8])
+def test_micro_batched_loss_and_grads_equal_verl_for_every_aggregation(agg_mode, micro_size):
+    model, batch = small_model(), make_batch()
+    reference = reference_loss_and_grads(model, batch, "vanilla", agg_mode)
+    assert_same(our_loss_and_grads(model, batch, actor_config("vanilla", agg_mode), micro_size), reference)
+
+
 def test_data_parallel_shards_average_to_the_full_batch_gradient():
     """Each rank normalises by global counts times dp_size; FSDP's gradient average then equals the full batch."""
     model, batch = small_model(), make_batch(seed=3)
-    _, full = our_loss_and_grads(model, batch, LossAggMode.token_mean, micro_size=8)
-    shard_grads = [our_loss_and_grads(model, batch.shard(r, 2), LossAggMode.token_mean, 8, dp_size=2,
-                                      global_batch=batch)[1] for r in range(2)]
+    actor = ActorConfig()
+    _, full = our_loss_and_grads(model, batch, actor, micro_size=8)
+    shard_grads = [our_loss_and_grads(model, batch.shard(r, 2), actor, 8, dp_size=2, global_batch=batch)[1]
+                   for r in range(2)]
     for name, grad in full.items():
         torch.testing.assert_close((shard_grads[0][name] + shard_grads[1][name]) / 2, grad, rtol=1e-4, atol=1e-6)
-
-
-def test_unknown_estimator_names_allowed_values():
-    with pytest.raises(ValueError, match="allowed values are grpo, rloo"):
-        algorithms.group_advantages([1.0, 0.0], [0, 0], AlgorithmConfig(adv_estimator="gaee"))
-    assert np.isfinite(algorithms.group_advantages([1.0, 0.0], [0, 0], AlgorithmConfig(adv_estimator="rloo"))).all()
 
 
 def test_truncated_importance_weights_reweight_the_policy_gradient():
@@ -127,10 +217,11 @@ def test_truncated_importance_weights_reweight_the_policy_gradient():
     assert torch.allclose(weights, expected, atol=1e-6) and not weights.requires_grad
     assert metrics["actor/rollout_is_ratio_fraction_high"] == pytest.approx(4 / 9)
 
+    policy_loss = algorithms.PolicyLoss(ActorConfig(), response_length=5)
+
     def grad(is_weights):
         log_prob.grad = None
-        loss, _ = algorithms.policy_loss(log_prob, log_prob.detach(), advantages, mask, ActorConfig(), 9, 2, 1,
-                                         rollout_is_weights=is_weights)
+        loss, _ = policy_loss(log_prob, log_prob.detach(), advantages, mask, 9, 2, 1, rollout_is_weights=is_weights)
         loss.backward()
         return log_prob.grad.clone()
 
@@ -189,3 +280,22 @@ def test_length_buckets_pad_to_a_few_shapes_without_changing_any_logprob(tiny_mo
         bucket, _ = token_logprobs(model, padded, 1.0)
     mask = plain["response_mask"].bool()
     torch.testing.assert_close(bucket[:, : exact.shape[1]][mask], exact[mask], rtol=0, atol=1e-5)
+
+
+def test_which_importance_weights_the_trainer_applies():
+    """auto: token-level in async mode only; a bf16 synchronous run asks for them; bypass_mode has its own."""
+    from rl_tpu.config import RolloutIS
+
+    assert algorithms.rollout_is_level(ActorConfig(), async_mode=False) is None
+    assert algorithms.rollout_is_level(ActorConfig(), async_mode=True) == "token"
+    assert algorithms.rollout_is_level(ActorConfig(rollout_is=RolloutIS.token), async_mode=False) == "token"
+    assert algorithms.rollout_is_level(ActorConfig(rollout_is=RolloutIS.off), async_mode=True) is None
+    bypass = ActorConfig(policy_loss=PolicyLossConfig(loss_mode=LossMode.bypass_mode))
+    assert algorithms.rollout_is_level(bypass, async_mode=True) is None
+    log_prob = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.5, 1.0]]))  # token ratios 2, 1, 0.5: the sequence's product is 1
+    mask = torch.ones(1, 3)
+    tokens, _ = algorithms.truncated_is_weights(log_prob, sampler, mask, 1.5, "token")
+    sequence, _ = algorithms.truncated_is_weights(log_prob, sampler, mask, 1.5, "sequence")
+    torch.testing.assert_close(tokens, torch.tensor([[1.5, 1.0, 0.5]]))
+    torch.testing.assert_close(sequence, torch.tensor([[1.0, 1.0, 1.0]]))

@@ -54,6 +54,49 @@ def test_value_checks_name_the_key():
         validate(compose_run("algorithm.adv_estimator=ppo"))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.adv_estimator=gae"], "'gae' is not supported: it needs a value model"),
+    (["algorithm.adv_estimator=remax"], "greedy rollout of every prompt"),
+    (["algorithm.adv_estimator=rloo", "sampler.n=1"], "sampler.n=1: rloo compares the completions"),
+    (["algorithm.adv_estimator=gdpo"], r"gdpo_reward_keys=None must name some of this run's rewards, arithmetic"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format]"], "gdpo_reward_keys=\\['format'\\]"),
+    (["actor.policy_loss.loss_mode=dro"], "needs actor.policy_loss.dro_beta > 0"),
+    (["actor.policy_loss.loss_mode=bypass_mode", "actor.rollout_is=token"], "computes its own importance weights"),
+    (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size=5 prompts must divide data.train_batch_size=16"),
+    (["actor.ppo_epochs=0"], "actor.ppo_epochs=0"),
+    (["actor.policy_loss.rollout_correction.loss_type=ppo"], "loss_type='ppo': allowed values are ppo_clip"),
+])
+def test_algorithm_settings_are_checked_at_start(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose_run(*overrides))
+    assert compose_run("actor.policy_loss.loss_mode=gspo").actor.policy_loss.loss_mode.value == "gspo"
+    with pytest.raises(ConfigCompositionException):  # not one of verl's losses: Hydra lists the allowed values
+        compose_run("actor.policy_loss.loss_mode=ppo")
+
+
+REAL = ("model.path=/models/m", "data.train_files=t.parquet", "data.val_files=v.parquet")
+
+
+@pytest.mark.parametrize("recipe, overrides, expected", [
+    ("dapo_math", (), {"clip_ratio_high": 0.28, "filter_groups": True, "overlong": True, "agg": "token-mean"}),
+    ("dr_grpo_math", (), {"norm_std": False, "agg": "seq-mean-token-sum-norm"}),
+    ("gspo_math", (), {"mode": "gspo", "clip_ratio_high": 0.0004, "agg": "seq-mean-token-mean", "mini": 4}),
+    ("dapo_gsm8k", REAL, {"filter_groups": True, "kl": False, "lr": 1e-6}),
+    ("gspo_gsm8k", REAL, {"mode": "gspo", "mini": 8, "lr": 1e-6}),
+    ("grpo_gsm8k", (*REAL, "+algo=dr_grpo"), {"norm_std": False, "kl": False}),  # an algorithm on any recipe
+    ("grpo_math", ("actor.loss_agg_mode=seq-mean-token-sum",), {"agg": "seq-mean-token-sum"}),  # verl's spelling
+])
+def test_algorithm_presets_compose_and_pass_validation(recipe, overrides, expected):
+    with initialize_config_dir(config_dir=str(REPO / "rl_tpu" / "configs"), version_base=None):
+        cfg: RunConfig = OmegaConf.to_object(compose("config", overrides=[f"+recipe={recipe}", *overrides]))
+    validate(cfg)
+    a, algo = cfg.actor, cfg.algorithm
+    got = {"clip_ratio_high": a.clip_ratio_high, "filter_groups": algo.filter_groups.enable, "kl": a.use_kl_loss,
+           "overlong": cfg.reward.overlong_buffer.enable, "agg": a.loss_agg_mode.value, "lr": algo.lr,
+           "norm_std": algo.norm_adv_by_std_in_grpo, "mode": a.policy_loss.loss_mode.value, "mini": a.ppo_mini_batch_size}
+    assert {k: got[k] for k in expected} == expected
+
+
 def test_cli_typo_fails_fast_with_the_key_name():
     result = subprocess.run([sys.executable, "-m", "rl_tpu.main", "+recipe=grpo_math", "trainer.totl_steps=3"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)

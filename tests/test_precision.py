@@ -87,7 +87,7 @@ def test_engine_and_trainer_with_an_fp32_stream_agree_more_closely(ray_cluster, 
         finally:
             ray_cluster.get(engine.shutdown.remote())
         batch = TrainBatch([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
-                           [r.logprobs for r in rollouts], [0.0] * len(rollouts), 1.0)
+                           [r.logprobs for r in rollouts], [[0.0] * len(r.logprobs) for r in rollouts], 1.0)
         log_prob, t = logprobs_of(bf16_model(tiny_model_dir, fp32_residual), batch)
         gaps[fp32_residual] = mean_gap(log_prob, t["sampler_logprobs"], t["response_mask"])
     # measured here: 2.19e-3 plain, 1.74e-3 with the fp32 stream (4 layers; 8.1e-3 and 4.4e-3 at 24 layers)

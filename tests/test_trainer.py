@@ -13,9 +13,13 @@ from conftest import free_port
 from test_algorithms import make_batch
 
 
-def trainer_after_steps(model_dir, batch, steps: int, **trainer_overrides) -> dict[str, torch.Tensor]:
+def trainer_after_steps(model_dir, batch, steps: int, actor: dict | None = None, metrics_out: list | None = None,
+                        **trainer_overrides) -> dict[str, torch.Tensor]:
+    """The weights after `steps` train steps of an in-process FSDP2 rank; each step's metrics go to `metrics_out`."""
     cfg = RunConfig()
-    cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size = "cpu", 1e-3, 4
+    cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size, cfg.sampler.n = "cpu", 1e-3, 4, 4
+    for key, value in (actor or {}).items():
+        setattr(cfg.actor, key, value)
     # the plain step's micro-batch order: a new summation order moves AdamW's first update of near-zero
     # gradients (g / (|g| + eps)); sorting itself is checked on the gradients, test_train_step_settings.py
     cfg.trainer.sort_by_length = False
@@ -26,6 +30,7 @@ def trainer_after_steps(model_dir, batch, steps: int, **trainer_overrides) -> di
     try:
         for _ in range(steps):
             metrics = worker.train_step(batch)
+            (metrics_out if metrics_out is not None else []).append(metrics)
         assert metrics["actor/grad_norm"] > 0
         return worker.full_state_dict()
     finally:
@@ -39,16 +44,42 @@ def plain_after_steps(model_dir, batch, steps: int) -> dict[str, torch.Tensor]:
     cfg = RunConfig()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=cfg.algorithm.betas, weight_decay=0.0)
+    policy_loss = algorithms.PolicyLoss(cfg.actor, cfg.sampler.response_length)
     for _ in range(steps):
         optimizer.zero_grad()
         for micro in micro_batches(batch, 4):
             t = pad_batch(micro, pad_id=1, device=torch.device("cpu"))
             log_prob, entropy = token_logprobs(model, t, batch.temperature)
-            loss, _ = algorithms.policy_loss(log_prob, log_prob.detach(), t["advantages"], t["response_mask"],
-                                             cfg.actor, batch.num_tokens(), len(batch), 1, entropy=entropy)
+            loss, _ = policy_loss(log_prob, log_prob.detach(), t["advantages"], t["response_mask"],
+                                  batch.num_tokens(), len(batch), 1, entropy=entropy)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algorithm.grad_clip)
         optimizer.step()
+    return model.state_dict()
+
+
+def plain_ppo_after_step(model_dir, batch, mini_size: int, epochs: int) -> dict[str, torch.Tensor]:
+    """PPO by hand: old logprobs of the initial weights, then `epochs` passes of one AdamW step per mini-batch
+    (each mini-batch one forward, normalised by its own token count)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = RunConfig()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=cfg.algorithm.betas, weight_decay=0.0)
+    policy_loss = algorithms.PolicyLoss(cfg.actor, cfg.sampler.response_length)
+    minis = [pad_batch(mini, pad_id=1, device=torch.device("cpu")) for mini in micro_batches(batch, mini_size)]
+    with torch.no_grad():
+        old = [token_logprobs(model, t, batch.temperature, with_entropy=False)[0] for t in minis]
+    for _ in range(epochs):
+        for t, old_log_prob in zip(minis, old):
+            optimizer.zero_grad()
+            log_prob, entropy = token_logprobs(model, t, batch.temperature)
+            mask = t["response_mask"]
+            loss, _ = policy_loss(log_prob, old_log_prob, t["advantages"], mask, int(mask.sum()), len(mask), 1,
+                                  entropy=entropy)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algorithm.grad_clip)
+            optimizer.step()
     return model.state_dict()
 
 
@@ -62,6 +93,31 @@ def test_fsdp2_step_equals_plain_adamw_step(tiny_model_dir, batch):
     plain = plain_after_steps(tiny_model_dir, batch, steps=2)
     for name, tensor in plain.items():
         torch.testing.assert_close(fsdp[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_ppo_mini_batches_and_epochs_equal_ppo_by_hand(tiny_model_dir, batch):
+    """Two mini-batches of one prompt's 4 completions, two epochs: four AdamW steps, each with the PPO ratio
+    taken against the weights before the first (the trainer computes them once, in micro-batches of 4)."""
+    metrics = []
+    fsdp = trainer_after_steps(tiny_model_dir, batch, steps=1, actor={"ppo_mini_batch_size": 1, "ppo_epochs": 2},
+                               metrics_out=metrics)
+    plain = plain_ppo_after_step(tiny_model_dir, batch, mini_size=4, epochs=2)
+    assert metrics[0]["actor/updates"] == 4.0
+    for name, tensor in plain.items():
+        torch.testing.assert_close(fsdp[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_second_ppo_epoch_clips(tiny_model_dir):
+    """With one update the ratio is 1 and nothing clips; a large step moves the policy past the clip range, so
+    the second epoch's ratios (against the same old logprobs) clip. The first epoch contributes exactly 0."""
+    strong = make_batch(seed=7, size=8, temperature=1.0)
+    one, two = [], []
+    trainer_after_steps(tiny_model_dir, strong, steps=1, actor={"ppo_epochs": 1}, metrics_out=one)
+    trainer_after_steps(tiny_model_dir, strong, steps=1, actor={"ppo_epochs": 2, "clip_ratio": 0.05},
+                        metrics_out=two)
+    assert one[0]["actor/pg_clipfrac"] == 0.0 and one[0]["actor/ppo_kl"] == 0.0
+    assert two[0]["actor/updates"] == 2.0
+    assert two[0]["actor/pg_clipfrac"] > 0.0, two[0]  # the mean of epoch 1 (0) and epoch 2
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(tiny_model_dir, batch):
@@ -112,7 +168,7 @@ def test_a_non_finite_loss_skips_the_update_and_training_goes_on(tiny_model_dir,
     worker = TrainerWorker(cfg, str(tiny_model_dir), 0, 1, "127.0.0.1", free_port())
     try:
         before = {name: t.clone() for name, t in worker.full_state_dict().items()}  # (at world size 1: views)
-        poisoned = dataclasses.replace(batch, advantages=[math.nan] + batch.advantages[1:])
+        poisoned = dataclasses.replace(batch, advantages=[[math.nan] * len(batch.advantages[0])] + batch.advantages[1:])
         skipped = worker.train_step(poisoned)
         assert skipped["actor/skipped"] == 1.0 and "actor/loss" not in skipped
         assert all(math.isfinite(v) for v in skipped.values())  # what is left can be logged

@@ -107,7 +107,7 @@ def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(
     # Sampler logprobs (processed, after temperature) match a trainer-style fp32 forward of the same tokens.
     sampled = _generate(ray, running, prompts, SamplingSettings(n=4, temperature=0.7, max_tokens=12))
     batch = TrainBatch([r.prompt_ids for r in sampled], [r.completion_ids for r in sampled],
-                       [r.logprobs for r in sampled], [0.0] * len(sampled), 0.7)
+                       [r.logprobs for r in sampled], [[0.0] * len(r.logprobs) for r in sampled], 0.7)
     t = pad_batch(batch, pad_id=1, device=torch.device("cpu"))
     with torch.no_grad():
         log_prob, _ = token_logprobs(model, t, 0.7, with_entropy=False)

@@ -111,7 +111,8 @@ def warm_start(model: torch.nn.Module, tokenizer, problems: list[tuple[int, str,
         labels = [answer_without_carry(a, op, b) if rng.random() < teacher_error else ARITHMETIC_OPS[op](a, b)
                   for a, op, b in sample]
         answers = [tokenizer(f" {label}")["input_ids"] + [tokenizer.eos_token_id] for label in labels]
-        batch = TrainBatch(prompts, answers, [[0.0] * len(a) for a in answers], [0.0] * batch_size, 1.0)
+        zeros = [[0.0] * len(a) for a in answers]  # no sampler logprobs or advantages: a supervised step
+        batch = TrainBatch(prompts, answers, zeros, zeros, 1.0)
         t = pad_batch(batch, tokenizer.pad_token_id, torch.device("cpu"))
         log_prob, _ = token_logprobs(model, t, 1.0, with_entropy=False)
         loss = -(log_prob * t["response_mask"]).sum() / t["response_mask"].sum()
