@@ -53,7 +53,7 @@ def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Gr
 class RolloutQueue:
     """Generation batches queued on the sampler in order, `trainer.max_staleness` steps ahead at most.
 
-    The sampler runs its calls in order, so a batch queued after a weight install uses those weights
+    The sampler runs its calls in order, so a batch queued after new weights arrive is generated with them
     or newer ones."""
 
     def __init__(self, workers: Workers, prompt_batches: Iterator[list[Example]], cfg: RunConfig, taken: int):
@@ -68,7 +68,7 @@ class RolloutQueue:
         self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg, self.queued)))
 
     def fill_after(self, step: int) -> None:
-        """With `step` trained and its weights installed, keep `max_staleness + 1` batches queued (fewer near
+        """With `step` trained and its weights in the sampler, keep `max_staleness + 1` batches queued (fewer near
         the end: one per step left)."""
         ahead = min(self.cfg.trainer.max_staleness + 1, self.cfg.trainer.total_steps - step)
         while len(self.pending) < ahead:

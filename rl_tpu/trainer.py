@@ -1,7 +1,7 @@
 """The FSDP2 trainer: one instance per rank (a Ray actor), TorchTitan style.
 
-`train_step` is the whole update on one screen: shard the batch, forward each micro-batch,
-loss from verl's core_algos, backward, clip, step. Weights leave through `publish_weights`
+`train_step` is the whole update on one screen: mini-batches and epochs (PPO), each rank's
+micro-batches forward, the loss from verl's core_algos, backward, clip, step. Weights leave through `publish_weights`
 (a versioned bundle for the sampler) and `export` (a Hugging Face folder).
 """
 
