@@ -72,8 +72,8 @@ def fill_with_varied_groups(generated: GradedBatch, target: int, metric: str | N
     varied = [g for g, rows in members.items() if len({values[i] for i in rows}) > 1]
     if len(varied) < target and not last_try:
         return None, len(varied)
-    chosen = varied[:target]
-    chosen += [g for g in members if g not in set(varied)][: target - len(chosen)]
+    chosen, varying = varied[:target], set(varied)
+    chosen += [g for g in members if g not in varying][: target - len(chosen)]
     return generated.take_groups(sorted(chosen)), min(len(varied), target)
 
 

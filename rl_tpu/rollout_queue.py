@@ -60,12 +60,12 @@ class RolloutQueue:
         """`taken`: generation batches the steps before this one used (the prompt stream is past them)."""
         self.workers, self.prompt_batches, self.cfg = workers, prompt_batches, cfg
         self.pending: deque[tuple[list[Example], PendingRollouts]] = deque()
-        self.queued = self.taken = taken
+        self.taken = taken
 
     def _queue_one(self) -> None:
-        self.queued += 1
+        number = self.taken + len(self.pending) + 1  # the batches taken, then those waiting, come before it
         prompts = next(self.prompt_batches)
-        self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg, self.queued)))
+        self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg, number)))
 
     def fill_after(self, step: int) -> None:
         """With `step` trained and its weights in the sampler, keep `max_staleness + 1` batches queued (fewer near

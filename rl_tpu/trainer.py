@@ -142,12 +142,14 @@ class TrainerWorker:
         minis = micro_batches(batch, mini_size)
         self.model.train()
         prepared = [self._prepare(mini, single_update=len(minis) * actor.ppo_epochs == 1) for mini in minis]
+        # each update's loss is normalised by its mini-batch's counts, of tokens and sequences in the loss
+        counts = [(max(mini.num_tokens(), 1), max(mini.num_seqs(), 1)) for mini in minis]
         sums: dict[str, float] = defaultdict(float)
         grad_norms = []
         for epoch in range(actor.ppo_epochs):
-            for mini, micros in zip(minis, prepared):
+            for count, micros in zip(counts, prepared):
                 for t in micros:
-                    self._backward(t, mini, batch, sums, first_epoch=epoch == 0)
+                    self._backward(t, count, batch, sums, first_epoch=epoch == 0)
                 grad_norms.append(self._optimizer_step())
         finite = [g for g in grad_norms if math.isfinite(g)]
         skipped = len(grad_norms) - len(finite)
@@ -179,8 +181,8 @@ class TrainerWorker:
             micros.append(t)
         return micros
 
-    def _backward(self, t: dict[str, torch.Tensor], mini: TrainBatch, batch: TrainBatch, sums: dict[str, float],
-                  first_epoch: bool) -> None:
+    def _backward(self, t: dict[str, torch.Tensor], counts: tuple[int, int], batch: TrainBatch,
+                  sums: dict[str, float], first_epoch: bool) -> None:
         """Forward, loss and backward of one micro-batch of an update; adds its figures to `sums`."""
         log_prob, entropy = token_logprobs(self.model, t, batch.temperature, chunk=self.cfg.trainer.logprob_chunk_size)
         old_log_prob = t.get("old_log_probs", log_prob.detach())
@@ -189,8 +191,7 @@ class TrainerWorker:
         if batch.rollout_is is not None:  # stale (async) or mismatched (bf16) rollouts: truncated IS weights
             is_weights, is_metrics = algorithms.truncated_is_weights(
                 old_log_prob, t["sampler_logprobs"], mask, batch.rollout_is_threshold, batch.rollout_is)
-        loss, metrics = self.policy_loss(log_prob, old_log_prob, t["advantages"], mask, max(mini.num_tokens(), 1),
-                                         max(mini.num_seqs(), 1), self.world_size,
+        loss, metrics = self.policy_loss(log_prob, old_log_prob, t["advantages"], mask, *counts, self.world_size,
                                          ref_log_prob=t.get("ref_log_probs"), entropy=entropy,
                                          rollout_is_weights=is_weights)
         loss.backward()
