@@ -121,17 +121,21 @@ def token_level(values: list[float], lengths: list[int]) -> tuple[torch.Tensor, 
 
 
 def advantages(rewards: list[float], groups: list[int], lengths: list[int], cfg: AlgorithmConfig,
-               components: dict[str, list[float]] | None = None) -> list[list[float]]:
+               components: dict[str, list[float]] | None = None,
+               token_penalties: list[list[float]] | None = None) -> list[list[float]]:
     """Each completion token's advantage from the outcome rewards, by `algorithm.adv_estimator`.
 
     Dispatched as verl's `ray_trainer.compute_advantage` does: the reward sits on each completion's
-    last token, `groups` is verl's `uid` (the prompt each completion answers), and `components`
-    holds the reward's named parts (`gdpo` normalises them one by one).
+    last token, less each token's penalty in `token_penalties` (KL in the reward), `groups` is verl's
+    `uid` (the prompt each completion answers), and `components` holds the reward's named parts
+    (`gdpo` normalises them one by one).
     """
     core_algos = _core_algos()
     name = cfg.adv_estimator
     validate_adv_estimator(name)
     token_rewards, mask = token_level(rewards, lengths)
+    for row, penalty in enumerate(token_penalties or ()):
+        token_rewards[row, :len(penalty)] -= torch.tensor(penalty, dtype=torch.float32)
     index = np.asarray(groups)
     if name == "grpo":
         adv, _ = core_algos.compute_grpo_outcome_advantage(token_level_rewards=token_rewards, response_mask=mask,

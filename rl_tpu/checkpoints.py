@@ -60,6 +60,7 @@ def resume_point(run_dir: Path, this_run: bool, resume_from: str | None) -> Path
 
 
 DATA_POSITION = "data.json"
+KL_COEF = "kl_ctrl.json"
 
 
 def save_data_position(checkpoint: Path, gen_batches_taken: int) -> None:
@@ -70,6 +71,17 @@ def data_position(checkpoint: Path) -> int:
     """Generation batches taken before this checkpoint; a checkpoint without the file took one per step."""
     path = checkpoint / DATA_POSITION
     return json.loads(path.read_text())["gen_batches_taken"] if path.is_file() else step_of(checkpoint)
+
+
+def save_kl_coef(checkpoint: Path, coef: float) -> None:
+    """The KL controller's coefficient after the checkpoint's step (`algorithm.use_kl_in_reward`)."""
+    (checkpoint / KL_COEF).write_text(json.dumps({"kl_coef": coef}))
+
+
+def kl_coef(checkpoint: Path | None) -> float | None:
+    """The saved coefficient; None: no checkpoint, or one saved without KL in the reward."""
+    path = checkpoint / KL_COEF if checkpoint is not None else None
+    return json.loads(path.read_text())["kl_coef"] if path is not None and path.is_file() else None
 
 
 def every(checkpoint_every: int | None, total_steps: int) -> int:

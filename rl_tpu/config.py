@@ -140,7 +140,10 @@ class DataConfig:
     max_prompt_length: int = 64
     filter_overlong_prompts: bool = True  # skip (and count) longer prompts; false: stop with an error
     val_max_samples: Optional[int] = None  # evaluate on the first N validation prompts only
-    seed: int = 0
+    seed: int = 0  # the arithmetic task's train / held-out split (and so the tiny model's warm start)
+    # the order of the training prompts; None: data.seed. A run's seeds are this, sampler.seed and seed: changing
+    # them alone keeps the model and the held-out set
+    shuffle_seed: Optional[int] = None
     # the synthetic arithmetic task (used when train_files is unset)
     ops: str = "+-"
     max_operand: int = 99
@@ -221,6 +224,16 @@ class ActorConfig:
 
 
 @dataclass
+class KLControlConfig:
+    """verl's `algorithm.kl_ctrl`: the coefficient of the KL penalty in the reward (`algorithm.use_kl_in_reward`)."""
+
+    type: str = "fixed"  # fixed, or adaptive (Ziegler et al., 2019): the coefficient steers the KL toward target_kl
+    kl_coef: float = 0.001  # the coefficient (adaptive: its first value)
+    horizon: int = 10000  # adaptive: sequences over which a 20% KL error changes the coefficient by 20%
+    target_kl: float = 0.1  # adaptive: the per-token KL aimed at
+
+
+@dataclass
 class FilterGroupsConfig:
     """DAPO's dynamic sampling, by verl's `algorithm.filter_groups` keys (rl_tpu/batch_shaping.py)."""
 
@@ -243,6 +256,11 @@ class AlgorithmConfig:
     gdpo_reward_weights: Optional[list[float]] = None
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_filter: bool = False  # DAPO's overlong filtering: truncated completions are left out of the loss
+    # each token's reward less kl_ctrl's coefficient times its KL to the reference model (the initial weights),
+    # before the advantages, as verl's apply_kl_penalty (rl_tpu/kl_reward.py)
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # verl's estimator of that KL: kl (k1), abs, mse (k2), low_var_kl (k3)
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -274,11 +292,14 @@ class TrainerConfig:
     return_freed_memory: Optional[bool] = None
     # place trainer ranks only on Ray nodes with these labels (`ray start --labels=role=trainer`); {}: anywhere
     node_labels: dict[str, str] = field(default_factory=dict)
-    total_steps: int = 100  # training steps (each: generate, score, update, push weights)
+    total_steps: int = 100  # training steps (each: generate, score, update, push weights); 0: evaluate the model only
     # Async mode: the sampler generates up to this many steps ahead of the trainer, with weights up to
     # this many versions old (corrected by truncated importance sampling); 0 is the synchronous loop.
     max_staleness: int = 0
     eval_every: int = 10  # steps between held-out evaluations (and after the last)
+    # also draw this many samples a held-out prompt at sampler.temperature at the first and the last evaluation:
+    # eval/pass@1 (their mean accuracy) and eval/pass@k for k = 2, 4, .., this (0: greedy accuracy only)
+    eval_pass_k: int = 0
     export: bool = True  # write the final policy as a Hugging Face folder
     push_to_hub: Optional[str] = None  # upload the export to this Hub repository (user/name); a failure is a warning
     # steps between resumable checkpoints; None: every 10% of total_steps (bounds lost work); 0: none during the run

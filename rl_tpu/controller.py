@@ -11,6 +11,7 @@ older weights. The held-out evaluation is graded while the sampler generates the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -21,19 +22,18 @@ from typing import Any
 
 import ray
 
-from rl_tpu import algorithms, batch_shaping, checkpoints, placement, plots, precision, rollout_queue, tracking
+from rl_tpu import algorithms, batch_shaping, checkpoints, evaluation, kl_reward, placement, plots, precision, rollout_queue, tracking
 from rl_tpu.config import RayConfig, RunConfig, Tracker, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
 from rl_tpu.device import Device
 from rl_tpu.export import push_to_hub, write_model_card
-from rl_tpu.grader import Grader, Grades, reward_sources
+from rl_tpu.grader import Grader, reward_sources
+from rl_tpu.kl_reward import KLInReward
 from rl_tpu.metrics import MetricsLogger, final_accuracy
 from rl_tpu.models import check_decoder, resolve_model_path
 from rl_tpu.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
 from rl_tpu.rollout import TrainBatch
-from rl_tpu.rollout_queue import RolloutQueue, grade
-from rl_tpu.sampler import SamplingSettings
-from rl_tpu.sampler_pool import PendingRollouts
+from rl_tpu.rollout_queue import RolloutQueue
 from rl_tpu.workers import Workers, start_workers
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,15 @@ def validate(cfg: RunConfig) -> None:
     """Value checks the type system cannot express; each names the key and what is allowed."""
     reward_names = [s.label for s in reward_sources(cfg.reward, cfg.custom_reward_function)]
     algorithms.validate(cfg, reward_names)
+    kl_reward.validate(cfg.algorithm)
     batch_shaping.validate(cfg.algorithm.filter_groups, reward_names, cfg.reward.overlong_buffer,
                            cfg.sampler.response_length)
     t = cfg.trainer
-    if min(t.eval_every, t.micro_batch_size, t.total_steps, cfg.data.train_batch_size) < 1:
-        raise ValueError(f"trainer.eval_every={t.eval_every}, trainer.micro_batch_size={t.micro_batch_size}, "
-                         f"trainer.total_steps={t.total_steps} and data.train_batch_size={cfg.data.train_batch_size} "
-                         "must each be at least 1")
+    if min(t.eval_every, t.micro_batch_size, cfg.data.train_batch_size) < 1 or min(t.total_steps, t.eval_pass_k) < 0:
+        raise ValueError(f"trainer.eval_every={t.eval_every}, trainer.micro_batch_size={t.micro_batch_size} and "
+                         f"data.train_batch_size={cfg.data.train_batch_size} must each be at least 1, and "
+                         f"trainer.total_steps={t.total_steps} and trainer.eval_pass_k={t.eval_pass_k} at least 0 "
+                         "(total_steps 0: evaluate the model only; eval_pass_k 0: no pass@k)")
     counts = {"trainer.keep_last": t.keep_last, "trainer.checkpoint_every": t.checkpoint_every or 0,
               "trainer.max_restarts": t.max_restarts, "sampler.max_restarts": cfg.sampler.max_restarts}
     if min(counts.values()) < 0:
@@ -78,39 +80,26 @@ def validate(cfg: RunConfig) -> None:
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray
 
 
-def generate_eval(workers: Workers, examples: list[Example], max_tokens: int) -> PendingRollouts:
-    """Greedy completions of the held-out prompts, with the weights the sampler serves."""
-    greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=max_tokens, logprobs=False)
-    return workers.samplers.generate([e.prompt_ids for e in examples], greedy)
-
-
-def finish_eval(pending: PendingRollouts, examples: list[Example], tokenizer, grader: Grader,
-                timeout_s: float) -> dict[str, float]:
-    start = time.perf_counter()
-    rollouts = pending.result(timeout_s)
-    grades: Grades = grade(rollouts, examples, tokenizer, grader).result()
-    return {"eval/accuracy": statistics.fmean(grades.components[grader.primary]),
-            "eval/reward": statistics.fmean(grades.scores), **grades.metrics("eval"),
-            "time/eval_wait_s": time.perf_counter() - start}
-
-
 def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grader: Grader,
-              cfg: RunConfig) -> tuple[dict[str, float], list[Example]]:
-    """One step: the batch's rollouts (graded, shaped), advantages, the update, the weights to the sampler.
-    Returns the step's metrics and the prompts it trained on."""
+              cfg: RunConfig, kl: KLInReward | None = None) -> tuple[dict[str, float], list[Example]]:
+    """One step: the batch's rollouts (graded, shaped), advantages (less `kl`'s penalties when the reward holds
+    the KL), the update, the weights to the sampler. Returns the step's metrics and the prompts it trained on."""
     t0 = time.perf_counter()
     sampled = rollout_queue.collect(step, queue, tokenizer, grader, cfg)
     rollouts, grades = sampled.batch.rollouts, sampled.batch.grades
     t1 = time.perf_counter()
-    advantages = algorithms.advantages(grades.scores, [r.group for r in rollouts],
-                                       [len(r.completion_ids) for r in rollouts], cfg.algorithm, grades.components)
-    t2 = time.perf_counter()
+    lengths = [len(r.completion_ids) for r in rollouts]
     in_loss = [r.finish_reason != "length" for r in rollouts] if cfg.algorithm.overlong_filter else None
-    workers.release_devices()
-    train = workers.train(TrainBatch(
+    batch = TrainBatch(  # advantages filled in below: the KL in the reward needs the batch first
         [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], [r.logprobs for r in rollouts],
-        advantages, cfg.sampler.temperature, algorithms.rollout_is_level(cfg.actor, cfg.trainer.max_staleness > 0),
-        cfg.actor.rollout_is_threshold, in_loss))
+        [[0.0] * n for n in lengths], cfg.sampler.temperature,
+        algorithms.rollout_is_level(cfg.actor, cfg.trainer.max_staleness > 0), cfg.actor.rollout_is_threshold, in_loss)
+    workers.release_devices()
+    penalties, kl_metrics = kl.penalties(workers.token_kl(batch)) if kl else (None, {})
+    advantages = algorithms.advantages(grades.scores, [r.group for r in rollouts], lengths, cfg.algorithm,
+                                       grades.components, penalties)
+    t2 = time.perf_counter()
+    train = workers.train(dataclasses.replace(batch, advantages=advantages))
     t3 = time.perf_counter()
     bundle = workers.publish(step)
     published = time.perf_counter()
@@ -128,8 +117,9 @@ def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grade
         "response/length_mean": gen_tokens / len(generated),
         "response/truncated_frac": statistics.fmean(r.finish_reason == "length" for r in generated),
         **train,
+        **kl_metrics,
         "time/generate_s": sampled.generate_s,  # waiting for the sampler (its work may have started earlier)
-        "time/reward_s": sampled.reward_s + (t2 - t1),  # grading, shaping and the advantages
+        "time/reward_s": sampled.reward_s + (t2 - t1),  # grading, shaping, the KL in the reward, the advantages
         "time/train_step_s": t3 - t2,
         "time/sync_s": t4 - t3,
         "time/step_s": t4 - t0,
@@ -178,17 +168,19 @@ class Job:
     stop: StopRequest
 
 
-def save_checkpoint(job: Job, workers: Workers, step: int, queue: RolloutQueue) -> Path:
+def save_checkpoint(job: Job, workers: Workers, step: int, queue: RolloutQueue, kl: KLInReward | None) -> Path:
     folder = checkpoints.folder_for(job.run_dir, step)
     workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder))
     checkpoints.save_data_position(folder, queue.taken)
+    if kl is not None:
+        checkpoints.save_kl_coef(folder, kl.coef)
     checkpoints.prune(job.run_dir, job.cfg.trainer.keep_last)
     return folder
 
 
-def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, int]:
+def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, Path | None]:
     """Load the trainer state and give the sampler the same weights; returns the step to continue after, and
-    the generation batches taken up to it.
+    the checkpoint of that step (None: the run starts).
 
     `trainer.resume=auto` and a restart continue this run folder (its metrics too); `trainer.resume_from`
     starts a new folder from another run's checkpoint.
@@ -197,54 +189,57 @@ def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, int]:
     checkpoint = checkpoints.resume_point(job.run_dir, restarted or value_of(t.resume) == "auto", t.resume_from)
     if checkpoint is None:
         job.logger.truncate_after(None)
-        return 0, 0
+        return 0, None
     step = checkpoints.step_of(checkpoint)
     workers.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
     workers.install(workers.publish(step))
     job.logger.truncate_after(step if checkpoint.is_relative_to(job.run_dir) else None)
     log.info("resumed from %s at step %d", checkpoint, step)
-    return step, checkpoints.data_position(checkpoint)
+    return step, checkpoint
 
 
-def stop_early(job: Job, workers: Workers, step: int, saved: int, queue: RolloutQueue) -> None:
+def stop_early(job: Job, workers: Workers, step: int, saved: int, queue: RolloutQueue, kl: KLInReward | None) -> None:
     """A signal asked the run to stop: save after `step` unless that is saved already, and stop."""
     checkpoint = checkpoints.folder_for(job.run_dir, saved) if saved else None
     if step > saved:
-        checkpoint = save_checkpoint(job, workers, step, queue)
+        checkpoint = save_checkpoint(job, workers, step, queue, kl)
     raise RunInterrupted(step, job.stop.requested, checkpoint)
 
 
 def train(job: Job, restarted: bool) -> None:
     """One attempt at the run: start the actors, continue from the resume point, run the remaining steps."""
     cfg, logger = job.cfg, job.logger
-    total, timeout, max_tokens = cfg.trainer.total_steps, cfg.ray.call_timeout_s, cfg.sampler.response_length
+    total, timeout = cfg.trainer.total_steps, cfg.ray.call_timeout_s
     checkpoint_every = checkpoints.every(cfg.trainer.checkpoint_every, total)
     workers = start_workers(cfg, job.model_path, job.run_dir, job.kind)
     try:
-        start_step, taken = resume(job, workers, restarted)
+        start_step, checkpoint = resume(job, workers, restarted)
+        taken = checkpoints.data_position(checkpoint) if checkpoint else 0
+        kl = KLInReward(cfg.algorithm, checkpoints.kl_coef(checkpoint)) if cfg.algorithm.use_kl_in_reward else None
         if not logger.records:  # a run continuing its own folder has its evaluation at start_step already
-            first = finish_eval(generate_eval(workers, job.eval_examples, max_tokens), job.eval_examples,
-                                job.tokenizer, job.grader, timeout)
-            logger.log(start_step, {**first, "sync/version": float(start_step)})
-        prompt_batches = batches(job.train_examples, cfg.data.train_batch_size, cfg.data.seed)
+            first = evaluation.start_eval(workers.samplers, job.eval_examples, cfg, with_samples=True)
+            logger.log(start_step, {**first.finish(job.tokenizer, job.grader, timeout),
+                                    "sync/version": float(start_step)})
+        order_seed = cfg.data.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed
+        prompt_batches = batches(job.train_examples, cfg.data.train_batch_size, order_seed)
         for _ in range(taken):  # the same batches a run that never stopped would see next
             next(prompt_batches)
         queue = RolloutQueue(workers, prompt_batches, cfg, taken)
         guard, saved = SkippedStepGuard(cfg.trainer.max_skipped_steps), start_step
         for step in range(start_step + 1, total + 1):
             if job.stop.requested:
-                stop_early(job, workers, step - 1, saved, queue)
-            metrics, prompts = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg)
+                stop_early(job, workers, step - 1, saved, queue, kl)
+            metrics, prompts = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg, kl)
             guard.observe(step, metrics, prompts)
             pending_eval = None
             if step % cfg.trainer.eval_every == 0 or step == total:
-                pending_eval = generate_eval(workers, job.eval_examples, max_tokens)
+                pending_eval = evaluation.start_eval(workers.samplers, job.eval_examples, cfg, step == total)
             queue.fill_after(step)  # behind the evaluation on the sampler: this step's weights or older
             if pending_eval is not None:
-                metrics.update(finish_eval(pending_eval, job.eval_examples, job.tokenizer, job.grader, timeout))
+                metrics.update(pending_eval.finish(job.tokenizer, job.grader, timeout))
             logger.log(step, metrics)
             if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
-                save_checkpoint(job, workers, step, queue)
+                save_checkpoint(job, workers, step, queue, kl)
                 saved = step
         if cfg.trainer.export:
             workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
@@ -320,11 +315,11 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     summary = {
         "eval/accuracy_start": evals[0],
         "eval/accuracy_final": final_accuracy(evals),
+        **evaluation.pass_at_k_summary(logger.records),
+        "steps": cfg.trainer.total_steps,
         "time/wall_s": time.monotonic() - started,
     }
-    log.info("held-out accuracy: %.1f%% after warm start -> %.1f%% after GRPO (mean of last %d evals); %.0f s",
-             100 * summary["eval/accuracy_start"], 100 * summary["eval/accuracy_final"], min(3, len(evals) - 1),
-             summary["time/wall_s"])
-    if cfg.trainer.plots and (folder := plots.plot_finished_run(run_dir)):
+    log.info("%s", evaluation.describe(summary))
+    if cfg.trainer.plots and cfg.trainer.total_steps and (folder := plots.plot_finished_run(run_dir)):
         log.info("plots in %s", folder)
     return summary

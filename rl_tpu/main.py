@@ -31,7 +31,7 @@ def resume_command(run_dir: Path) -> str:
 
 def run_task(cfg: DictConfig) -> float:
     """One run (or one sweep trial) in the folder Hydra chose; returns the final held-out accuracy."""
-    from rl_tpu import checkpoints, controller
+    from rl_tpu import checkpoints, controller, evaluation
     from rl_tpu.recovery import RunInterrupted
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -52,9 +52,7 @@ def run_task(cfg: DictConfig) -> float:
         (run_dir / FAILED_FILE).write_text(traceback.format_exc())
         return float("nan")
     plots = f"; plots in {run_dir / PLOTS_DIR}" if (run_dir / PLOTS_DIR).is_dir() else ""
-    print(f"held-out accuracy: {100 * summary['eval/accuracy_start']:.1f}% after warm start -> "
-          f"{100 * summary['eval/accuracy_final']:.1f}% after GRPO; wall time {summary['time/wall_s']:.0f} s; "
-          f"outputs in {run_dir}{plots}")
+    print(f"{evaluation.describe(summary)}; outputs in {run_dir}{plots}")
     return summary["eval/accuracy_final"]  # the value a sweeper optimises
 
 

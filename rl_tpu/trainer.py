@@ -77,7 +77,8 @@ class TrainerWorker:
         dist.init_process_group(self.device.dist_backend, rank=rank, world_size=world_size)
         mesh = init_device_mesh(self.device.kind, (world_size,))
         self.model = self._load_model(mesh)
-        self.ref_model = self._load_model(mesh).requires_grad_(False) if cfg.actor.use_kl_loss else None
+        with_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref_model = self._load_model(mesh).requires_grad_(False) if with_ref else None
         algo = cfg.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, betas=tuple(algo.betas),
                                            weight_decay=algo.weight_decay)
@@ -176,10 +177,29 @@ class TrainerWorker:
                     t["old_log_probs"] = t["sampler_logprobs"]
                 elif not single_update:
                     t["old_log_probs"] = token_logprobs(self.model, t, temperature, False, chunk)[0]
-                if self.ref_model is not None:
+                if self.cfg.actor.use_kl_loss:
                     t["ref_log_probs"] = token_logprobs(self.ref_model, t, temperature, False, chunk)[0]
             micros.append(t)
         return micros
+
+    def token_kl(self, batch: TrainBatch) -> list[list[float]]:
+        """This rank's slice of the batch: each completion token's KL (`algorithm.kl_penalty`) between the policy
+        that sampled it (these weights, before the update, or the sampler's logprobs) and the reference model."""
+        from verl.trainer.ppo.core_algos import kl_penalty
+
+        local = batch.shard(self.rank, self.world_size)
+        chunk, rows = self.cfg.trainer.logprob_chunk_size, []
+        for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
+            t = pad_batch(micro, self.pad_id, self.device.torch_device, self.cfg.trainer.seq_buckets)
+            with torch.no_grad():
+                if self.old_logprob_source == "sampler":
+                    policy = t["sampler_logprobs"]
+                else:
+                    policy = token_logprobs(self.model, t, batch.temperature, False, chunk)[0]
+                ref = token_logprobs(self.ref_model, t, batch.temperature, False, chunk)[0]
+                kl = kl_penalty(policy, ref, self.cfg.algorithm.kl_penalty).float().cpu()
+            rows += [kl[i, :len(ids)].tolist() for i, ids in enumerate(micro.completion_ids)]
+        return rows
 
     def _backward(self, t: dict[str, torch.Tensor], counts: tuple[int, int], batch: TrainBatch,
                   sums: dict[str, float], first_epoch: bool) -> None:

@@ -60,6 +60,11 @@ class Workers:
         """One update on every rank; rank 0's metrics (they are reduced over ranks)."""
         return self.on_trainers("train_step", "train step", ray.put(batch))[0]
 
+    def token_kl(self, batch: TrainBatch) -> list[list[float]]:
+        """Each completion token's KL between the policy and the reference model, in batch order."""
+        shards = self.on_trainers("token_kl", "KL to the reference model", ray.put(batch))
+        return [row for shard in shards for row in shard]  # ranks hold contiguous slices, in rank order
+
     def publish(self, version: int) -> WeightBundle:
         """Every rank sends its share of the buckets; the engines get them as one bundle."""
         return WeightBundle.merge(self.on_trainers("publish_weights", f"publishing weights v{version}", version))

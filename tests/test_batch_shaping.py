@@ -65,3 +65,53 @@ def test_a_sequence_out_of_the_loss_adds_no_token_and_no_sequence():
     assert batch.shard(1, 2).loss_mask == [False] and batch.sorted_by_length().loss_mask == [False, True]
     with pytest.raises(ValueError, match="sequence 1 has 1 completion tokens but 2 advantages"):
         TrainBatch([[1], [1]], [[3], [3]], [[-1.0], [-1.0]], [[1.0], [1.0, 1.0]], 1.0)
+
+
+class SeededSampler:
+    """A sampler stand-in: a prompt's completions depend on its draw seed alone (as vLLM's seeded draws do);
+    odd seeds give a group that varies, even seeds one that does not. Records every call."""
+
+    def __init__(self):
+        self.calls: list[tuple[list[list[int]], list[int]]] = []
+        self.version = 0  # the weights it serves: the test installs step - 1 before each step
+
+    def generate(self, prompts, settings, seeds):
+        self.calls.append((prompts, seeds))
+        rollouts = [Rollout(p, [seed % 2 * i % 2], [0.0], self.version, "stop", g)
+                    for g, (p, seed) in enumerate(zip(prompts, seeds)) for i in range(settings.n)]
+        return type("Done", (), {"result": lambda self, timeout: rollouts, "shares": lambda self: {}})()
+
+
+def test_a_resumed_run_with_dynamic_sampling_draws_what_an_uninterrupted_one_draws():
+    """The generation batches a checkpoint saves (`RolloutQueue.taken`), skipped in the prompt stream as the
+    controller does on resume, give the next steps the same prompts and seeds as a run that never stopped."""
+    from rl_tpu import rollout_queue
+    from rl_tpu.config import RunConfig
+    from test_evaluation import Identity, ScoresByToken
+    from rl_tpu.data import batches
+
+    cfg = RunConfig()
+    cfg.data.train_batch_size, cfg.sampler.n, cfg.trainer.total_steps = 4, 2, 5
+    cfg.algorithm.filter_groups.enable = True
+    examples = [Example([i], "src", "1", {}) for i in range(40)]
+
+    def run(steps: range, taken: int) -> tuple[list[list[int]], int]:
+        sampler = SeededSampler()
+        stream = batches(examples, 4, seed=0)
+        for _ in range(taken):
+            next(stream)
+        queue = rollout_queue.RolloutQueue(type("Workers", (), {"samplers": sampler})(), stream, cfg, taken)
+        trained = []
+        for step in steps:
+            sampler.version = step - 1
+            shaped = rollout_queue.collect(step, queue, Identity(), ScoresByToken(), cfg)
+            trained.append([e.prompt_ids[0] for e in shaped.batch.prompts])
+            assert shaped.varied_groups == 4  # dynamic sampling filled each batch with groups that vary
+        return trained + [seeds for _, seeds in sampler.calls], queue.taken
+
+    whole, _ = run(range(1, 6), 0)
+    first, taken = run(range(1, 3), 0)
+    assert taken > 2  # dynamic sampling took more generation batches than steps
+    resumed, _ = run(range(3, 6), taken)
+    assert resumed[:3] == whole[2:5]  # the prompts each step trains on
+    assert resumed[3:] == whole[5 + taken:]  # and the seeds of every draw after the checkpoint

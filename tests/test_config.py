@@ -65,6 +65,9 @@ def test_value_checks_name_the_key():
     (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size=5 prompts must divide data.train_batch_size=16"),
     (["actor.ppo_epochs=0"], "actor.ppo_epochs=0"),
     (["actor.policy_loss.rollout_correction.loss_type=ppo"], "loss_type='ppo': allowed values are ppo_clip"),
+    (["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k9"], "algorithm.kl_penalty='k9': allowed values"),
+    (["trainer.total_steps=-1"], r"trainer.total_steps=-1 and trainer.eval_pass_k=0 at least 0"),
+    (["trainer.eval_pass_k=-2"], r"trainer.eval_pass_k=-2 at least 0 \(total_steps 0: evaluate the model only"),
 ])
 def test_algorithm_settings_are_checked_at_start(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -26,7 +26,8 @@ def three_step_run(tmp_path_factory, installed_cli):
     root = tmp_path_factory.mktemp("e2e")
     (root / "elsewhere").mkdir()
     result = run_cli(root / "run", root / "cache", "trainer.total_steps=3", "sync.transport=collective",
-                     "trainer.logger=[jsonl,tensorboard]", program=[installed_cli], cwd=root / "elsewhere")
+                     "trainer.logger=[jsonl,tensorboard]", "trainer.eval_pass_k=4", program=[installed_cli],
+                     cwd=root / "elsewhere")
     return root, result
 
 
@@ -85,6 +86,10 @@ def test_metrics_are_well_formed(three_step_run):
     rows = read_metrics(root / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
+    passes = ["eval/pass@1", "eval/pass@2", "eval/pass@4"]  # sampled at the first and the last evaluation only
+    assert not any(key in rows[2] for key in passes)
+    for row in rows[0], rows[3]:
+        assert 0.0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= row["eval/pass@4"] <= 1.0, row
     for step, row in enumerate(rows[1:], start=1):
         assert STEP_KEYS <= set(row), STEP_KEYS - set(row)
         assert row["sync/version"] == step and row["rollout/weight_version"] == step - 1
@@ -180,6 +185,19 @@ def test_resume_continues_exactly_where_the_run_stopped(three_step_run, six_step
     assert_same_steps(rows[1:], six_step_run)
 
 
+def test_an_evaluation_only_run_of_the_export_repeats_the_runs_last_evaluation(three_step_run, tmp_path):
+    """`trainer.total_steps=0` evaluates a model folder as a run evaluates its policy: the 3-step run's export
+    gets that run's last greedy accuracy and pass@k (the same weights, held-out prompts and sampling seeds)."""
+    root, _ = three_step_run
+    result = run_cli(tmp_path / "eval", root / "cache", f"model.path={root / 'run' / 'export'}",
+                     "trainer.total_steps=0", "trainer.eval_pass_k=4", "trainer.world_size=1", "trainer.export=false")
+    (only,) = read_metrics(tmp_path / "eval" / "metrics.jsonl")
+    last = read_metrics(root / "run" / "metrics.jsonl")[-1]
+    keys = ["eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/pass@4"]
+    assert {key: only[key] for key in keys} == {key: last[key] for key in keys}
+    assert "(evaluation only)" in result.stdout and not (tmp_path / "eval" / "checkpoints").exists()
+
+
 def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cluster):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -217,9 +235,11 @@ def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
 
 
 def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_path):
-    """trainer.max_staleness=1: batch t comes from weights t-2 (after the first), reweighted by TIS."""
+    """trainer.max_staleness=1: batch t comes from weights t-2 (after the first), reweighted by TIS. The run also
+    puts the KL to the initial weights in the reward, with verl's adaptive controller."""
     run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=4", "trainer.max_staleness=1",
-            "trainer.world_size=1")
+            "trainer.world_size=1", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl",
+            "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=100")
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")[1:]
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1, 2]
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
@@ -228,6 +248,13 @@ def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_pat
         assert 0.5 < row["actor/rollout_is_mean"] < 1.5 and 0.0 <= row["actor/rollout_is_ratio_fraction_high"] <= 1.0
     # fresh rollouts agree with the trainer to float precision; stale ones were made by other weights
     assert rows[0]["actor/logprob_diff"] < 1e-5 and all(r["actor/logprob_diff"] > 1e-5 for r in rows[1:])
+    # step 1 trains the initial weights, the reference itself (k3 is positive for any other policy; k1 can be
+    # negative on a batch); the coefficient moves by verl's rule, counting 16 sequences
+    kl, coef = [r["actor/reward_kl_penalty"] for r in rows], [r["actor/reward_kl_penalty_coeff"] for r in rows]
+    assert kl[0] == 0.0 and all(k > 0.0 for k in kl[1:]) and coef[0] == 0.001
+    for step in range(3):
+        error = min(max(kl[step] / 0.1 - 1, -0.2), 0.2)
+        assert coef[step + 1] == pytest.approx(coef[step] * (1 + error * 16 / 100), rel=1e-9)
 
 
 def test_bf16_run_with_a_verl_plugin_through_the_verl_keys(three_step_run, tmp_path):

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def learning_check(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+def learning_check(tmp_path_factory, ray_cluster) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    """`ray_cluster`: another Ray cluster runs on this host meanwhile; the sweep must start one of its own
+    (`ray.init(address="local")`), since joining that one fails on the CPU count it asks for."""
     work = tmp_path_factory.mktemp("learning")
     result = subprocess.run([sys.executable, "benchmarks/learning_curves.py", "check", "--work", str(work / "sweep"),
                              "--cases", "vanilla,gspo,cispo,lr_zero:vanilla", "--out", str(work / "check.json")],
