@@ -56,9 +56,10 @@ def validate_adv_estimator(name: str) -> None:
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+")
 
 
-def validate_kl_loss_type(name: str) -> None:
+def validate_kl_estimator(key: str, name: str) -> None:
+    """`name`, set at `key`, is one of verl's KL estimators."""
     if name not in KL_PENALTIES:
-        raise ValueError(f"actor.kl_loss_type={name!r}: allowed values are {', '.join(KL_PENALTIES)}")
+        raise ValueError(f"{key}={name!r}: allowed values are {', '.join(KL_PENALTIES)}")
 
 
 def validate_policy_loss(actor: ActorConfig) -> None:
@@ -83,7 +84,7 @@ def validate(cfg: RunConfig, reward_names: list[str]) -> None:
     """The algorithm settings, checked before anything starts; each error names the key and what is allowed."""
     algo, actor = cfg.algorithm, cfg.actor
     validate_adv_estimator(algo.adv_estimator)
-    validate_kl_loss_type(actor.kl_loss_type)
+    validate_kl_estimator("actor.kl_loss_type", actor.kl_loss_type)
     validate_policy_loss(actor)
     if cfg.sampler.n < 2 and algo.adv_estimator in GROUP_ESTIMATORS:
         raise ValueError(f"sampler.n={cfg.sampler.n}: {algo.adv_estimator} compares the completions of a prompt, "

@@ -80,8 +80,9 @@ def save_kl_coef(checkpoint: Path, coef: float) -> None:
 
 def kl_coef(checkpoint: Path | None) -> float | None:
     """The saved coefficient; None: no checkpoint, or one saved without KL in the reward."""
-    path = checkpoint / KL_COEF if checkpoint is not None else None
-    return json.loads(path.read_text())["kl_coef"] if path is not None and path.is_file() else None
+    if checkpoint is None or not (checkpoint / KL_COEF).is_file():
+        return None
+    return json.loads((checkpoint / KL_COEF).read_text())["kl_coef"]
 
 
 def every(checkpoint_every: int | None, total_steps: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -405,6 +406,11 @@ class RunConfig:
 
 def _required(key: str, what: str) -> None:
     raise ValueError(f"{key} is required by this recipe ({what}): add {key}=... to the command line")
+
+
+def cache_path(cfg: RunConfig) -> Path:
+    """Where built models and datasets go: `cache_dir`, by default ~/.cache/rl_tpu."""
+    return Path(cfg.cache_dir or "~/.cache/rl_tpu").expanduser()
 
 
 def register_configs() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from rl_tpu import algorithms, batch_shaping, checkpoints, evaluation, kl_reward, placement, plots, precision, rollout_queue, tracking
-from rl_tpu.config import RayConfig, RunConfig, Tracker, value_of
+from rl_tpu.config import RayConfig, RunConfig, Tracker, cache_path, value_of
 from rl_tpu.data import Example, batches, ensure_arithmetic_dataset, load_examples
 from rl_tpu.device import Device
 from rl_tpu.export import push_to_hub, write_model_card
@@ -287,7 +287,7 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
 
     started = time.monotonic()
     validate(cfg)
-    cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "rl_tpu").expanduser()
+    cache_dir = cache_path(cfg)
     model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from rl_tpu.algorithms import KL_PENALTIES
+from rl_tpu.algorithms import validate_kl_estimator
 from rl_tpu.config import AlgorithmConfig
 
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -21,8 +21,7 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 
 def validate(algo: AlgorithmConfig) -> None:
     ctrl = algo.kl_ctrl
-    if algo.kl_penalty not in KL_PENALTIES:
-        raise ValueError(f"algorithm.kl_penalty={algo.kl_penalty!r}: allowed values are {', '.join(KL_PENALTIES)}")
+    validate_kl_estimator("algorithm.kl_penalty", algo.kl_penalty)
     if ctrl.type not in KL_CONTROLLERS:
         raise ValueError(f"algorithm.kl_ctrl.type={ctrl.type!r}: allowed values are {', '.join(KL_CONTROLLERS)}")
     if ctrl.kl_coef < 0 or (ctrl.type == "adaptive" and not (ctrl.horizon > 0 and ctrl.target_kl > 0)):

@@ -173,14 +173,19 @@ class TrainerWorker:
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
             t = pad_batch(micro, self.pad_id, self.device.torch_device, self.cfg.trainer.seq_buckets)
             with torch.no_grad():
-                if self.old_logprob_source == "sampler":
-                    t["old_log_probs"] = t["sampler_logprobs"]
-                elif not single_update:
-                    t["old_log_probs"] = token_logprobs(self.model, t, temperature, False, chunk)[0]
+                if self.old_logprob_source == "sampler" or not single_update:
+                    t["old_log_probs"] = self._sampling_policy_logprobs(t, temperature)
                 if self.cfg.actor.use_kl_loss:
                     t["ref_log_probs"] = token_logprobs(self.ref_model, t, temperature, False, chunk)[0]
             micros.append(t)
         return micros
+
+    def _sampling_policy_logprobs(self, t: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """The logprobs of the policy that sampled the batch: the sampler's (`actor.old_logprob_source=sampler`),
+        or these weights' before the batch's first update."""
+        if self.old_logprob_source == "sampler":
+            return t["sampler_logprobs"]
+        return token_logprobs(self.model, t, temperature, False, self.cfg.trainer.logprob_chunk_size)[0]
 
     def token_kl(self, batch: TrainBatch) -> list[list[float]]:
         """This rank's slice of the batch: each completion token's KL (`algorithm.kl_penalty`) between the policy
@@ -192,10 +197,7 @@ class TrainerWorker:
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
             t = pad_batch(micro, self.pad_id, self.device.torch_device, self.cfg.trainer.seq_buckets)
             with torch.no_grad():
-                if self.old_logprob_source == "sampler":
-                    policy = t["sampler_logprobs"]
-                else:
-                    policy = token_logprobs(self.model, t, batch.temperature, False, chunk)[0]
+                policy = self._sampling_policy_logprobs(t, batch.temperature)
                 ref = token_logprobs(self.ref_model, t, batch.temperature, False, chunk)[0]
                 kl = kl_penalty(policy, ref, self.cfg.algorithm.kl_penalty).float().cpu()
             rows += [kl[i, :len(ids)].tolist() for i, ids in enumerate(micro.completion_ids)]

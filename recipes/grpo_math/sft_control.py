@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl_tpu.config import RunConfig, register_configs
+from rl_tpu.config import RunConfig, cache_path, register_configs
 from rl_tpu.data import split_arithmetic_problems
 from rl_tpu.models import resolve_model_path, warm_start
 from rl_tpu.models.tiny import save_hf_folder
@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = recipe_config(args.recipe)
     tiny = cfg.model.tiny
-    start = resolve_model_path(cfg.model, cfg.data, Path(cfg.cache_dir or "~/.cache/rl_tpu").expanduser())
+    start = resolve_model_path(cfg.model, cfg.data, cache_path(cfg))
     sequences = cfg.trainer.total_steps * cfg.data.train_batch_size * cfg.sampler.n
     steps = sequences // tiny.warm_start_batch_size
     model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
