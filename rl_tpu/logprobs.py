@@ -6,6 +6,12 @@ positions (`logits_to_keep`), and the fp32 log-softmax and entropy are computed 
 positions at a time, recomputed in the backward pass (activation checkpointing), so no
 `[batch, sequence, vocabulary]` fp32 tensor ever exists. At a 152k vocabulary that tensor
 would be the largest allocation of a step.
+
+With `share_prompts` (`trainer.share_prompts`), a GRPO group's completions share one forward of
+their prompt: the distinct prompts of a micro-batch run once, their keys and values are handed to
+every row that has that prompt (as a KV cache, through which the gradient flows back), and the
+completions then run on their own. The logprobs are those of the whole-sequence forward (fp32: to
+float rounding, tests/test_train_step_settings.py); the prompt positions cost 1/n of their compute.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache, DynamicLayer
 
 from rl_tpu.rollout import TrainBatch
 
@@ -26,13 +33,14 @@ def bucketed(length: int, buckets: Sequence[int]) -> int:
 
 
 def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device,
-              buckets: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+              buckets: Sequence[int] = (), share_prompts: bool = False) -> dict[str, torch.Tensor]:
     """Prompts left-padded to end in column P-1, completions right-padded from column P; (bs, response_len)
     tensors in verl's layout. Completion token j of every row is predicted by the logits at column P-1+j.
 
     With `buckets` (`trainer.seq_buckets`), P and the response length are each rounded up to a bucket,
     so that a compiler sees a few shapes only (TPU graphs are compiled per shape); padding changes no
-    token's logprob."""
+    token's logprob. With `share_prompts`, `prompt_rows` (the first row of each distinct prompt) and
+    `prompt_index` (each row's position in `prompt_rows`) let `token_logprobs` run each prompt once."""
     prompt_len = bucketed(max(map(len, batch.prompt_ids)), buckets)
     resp_len = bucketed(max(1, max(map(len, batch.completion_ids))), buckets)
     rows = len(batch)
@@ -54,6 +62,13 @@ def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device,
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     tensors = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, targets=targets,
                    response_mask=response_mask, sampler_logprobs=sampler_logprobs, advantages=advantages)
+    if share_prompts:
+        distinct: dict[tuple[int, ...], int] = {}  # prompt -> its first row
+        for i, prompt in enumerate(batch.prompt_ids):
+            distinct.setdefault(tuple(prompt), i)
+        order = {row: k for k, row in enumerate(distinct.values())}
+        index = [order[distinct[tuple(prompt)]] for prompt in batch.prompt_ids]
+        tensors.update(prompt_rows=torch.tensor(list(distinct.values())), prompt_index=torch.tensor(index))
     return {k: v.to(device) for k, v in tensors.items()}
 
 
@@ -69,8 +84,11 @@ def token_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor], temperatu
                    chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and entropy) of the completion tokens under logits / temperature, in fp32."""
     resp_len = t["targets"].shape[1]
-    logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
-                   use_cache=False, logits_to_keep=resp_len + 1).logits[:, :resp_len]
+    if "prompt_rows" in t:
+        logits = _shared_prompt_logits(model, t)
+    else:
+        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
+                       use_cache=False, logits_to_keep=resp_len + 1).logits[:, :resp_len]
     recompute = torch.is_grad_enabled()
     parts = []
     for start in range(0, resp_len, chunk):
@@ -78,3 +96,59 @@ def token_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor], temperatu
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args))
     chosen = torch.cat([c for c, _ in parts], dim=1)
     return chosen, torch.cat([e for _, e in parts], dim=1) if with_entropy else None
+
+
+class _PromptCapture(DynamicLayer):
+    """A layer's keys and values in the prompts' forward: kept, and returned as they came (no cache before them).
+    A block that activation checkpointing runs again stores the same values again."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.is_initialized, self.dtype, self.device = True, key_states.dtype, key_states.device
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _PromptPrefix(DynamicLayer):
+    """A layer's prompt keys and values, one row per completion, in front of the completions' own. `update`
+    stores nothing, so a block run again by activation checkpointing attends to what it attended to before."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.is_initialized, self.dtype, self.device = True, keys.dtype, keys.device
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def _shared_prompt_logits(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits that predict each completion token, with each distinct prompt run once (`share_prompts`).
+
+    The prompts' forward keeps each layer's keys and values (after RoPE); indexing them by `prompt_index`
+    gives every completion its prompt's, through which the gradient flows back to the prompt, and the
+    completions' forward attends to them as a generation step would. The last prompt position's logits
+    predict completion token 0 and completion token j's predict token j + 1, so the last column is not run."""
+    resp_len = t["targets"].shape[1]
+    prompt_len = t["input_ids"].shape[1] - resp_len
+    rows, index = t["prompt_rows"], t["prompt_index"]
+    captured = Cache(layer_class_to_replicate=_PromptCapture)
+    prompts = model(input_ids=t["input_ids"][rows, :prompt_len], attention_mask=t["attention_mask"][rows, :prompt_len],
+                    position_ids=t["position_ids"][rows, :prompt_len], past_key_values=captured, use_cache=True,
+                    logits_to_keep=1)
+    first = prompts.logits[index]
+    if resp_len == 1:
+        return first
+    prefix = Cache(layers=[_PromptPrefix(layer.keys[index], layer.values[index]) for layer in captured.layers])
+    rest = model(input_ids=t["input_ids"][:, prompt_len: -1], attention_mask=t["attention_mask"][:, :-1],
+                 position_ids=t["position_ids"][:, prompt_len: -1], past_key_values=prefix, use_cache=True).logits
+    return torch.cat([first, rest], dim=1)
+
+
+def forward_positions(t: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """The positions `token_logprobs` runs through the model for this layout: (real tokens, with padding)."""
+    mask = t["attention_mask"]
+    if "prompt_rows" not in t:
+        return int(mask.sum()), mask.numel()
+    prompt_len = mask.shape[1] - t["targets"].shape[1]
+    prompts, completions = mask[t["prompt_rows"], :prompt_len], mask[:, prompt_len: -1]
+    return int(prompts.sum() + completions.sum()), prompts.numel() + completions.numel()

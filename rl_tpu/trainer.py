@@ -30,7 +30,7 @@ from rl_tpu.config import RunConfig, value_of
 from rl_tpu.cpu_binding import CpuBinding
 from rl_tpu.device import Device
 from rl_tpu.export import MODEL_FILES, copy_model_files
-from rl_tpu.logprobs import pad_batch, token_logprobs
+from rl_tpu.logprobs import forward_positions, pad_batch, token_logprobs
 from rl_tpu.metrics import peak_rss_mb
 from rl_tpu.parallelize import hf_name, parallelize
 from rl_tpu.rollout import TrainBatch
@@ -171,7 +171,7 @@ class TrainerWorker:
         chunk, temperature = self.cfg.trainer.logprob_chunk_size, mini.temperature
         micros = []
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
-            t = pad_batch(micro, self.pad_id, self.device.torch_device, self.cfg.trainer.seq_buckets)
+            t = self._padded(micro)
             with torch.no_grad():
                 if self.old_logprob_source == "sampler" or not single_update:
                     t["old_log_probs"] = self._sampling_policy_logprobs(t, temperature)
@@ -179,6 +179,10 @@ class TrainerWorker:
                     t["ref_log_probs"] = token_logprobs(self.ref_model, t, temperature, False, chunk)[0]
             micros.append(t)
         return micros
+
+    def _padded(self, micro: TrainBatch) -> dict[str, torch.Tensor]:
+        trainer = self.cfg.trainer
+        return pad_batch(micro, self.pad_id, self.device.torch_device, trainer.seq_buckets, trainer.share_prompts)
 
     def _sampling_policy_logprobs(self, t: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
         """The logprobs of the policy that sampled the batch: the sampler's (`actor.old_logprob_source=sampler`),
@@ -195,7 +199,7 @@ class TrainerWorker:
         local = batch.shard(self.rank, self.world_size)
         chunk, rows = self.cfg.trainer.logprob_chunk_size, []
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
-            t = pad_batch(micro, self.pad_id, self.device.torch_device, self.cfg.trainer.seq_buckets)
+            t = self._padded(micro)
             with torch.no_grad():
                 policy = self._sampling_policy_logprobs(t, batch.temperature)
                 ref = token_logprobs(self.ref_model, t, batch.temperature, False, chunk)[0]
@@ -226,8 +230,9 @@ class TrainerWorker:
             sums["entropy_sum"] += (entropy.detach() * mask).sum().item()
             sums["logprob_diff_sum"] += ((old_log_prob - t["sampler_logprobs"]).abs() * mask).sum().item()
             sums["tokens"] += n_tok
-            sums["positions_real"] += t["attention_mask"].sum().item()
-            sums["positions"] += t["attention_mask"].numel()  # what the forward computes, padding included
+            real, computed = forward_positions(t)
+            sums["positions_real"] += real
+            sums["positions"] += computed  # padding included
 
     def _optimizer_step(self) -> float:
         """Clip and apply the accumulated gradient; a non-finite one is dropped. Returns the gradient norm."""

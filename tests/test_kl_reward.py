@@ -108,7 +108,7 @@ def test_the_trainers_token_kl_is_zero_before_an_update_and_the_estimators_after
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     policy.load_state_dict(trained)
-    t = pad_batch(batch, pad_id=1, device=torch.device("cpu"))
+    t = pad_batch(batch, pad_id=1, device=torch.device("cpu"), share_prompts=True)  # the trainer's layout
     with torch.no_grad():
         expected = kl_penalty(token_logprobs(policy, t, batch.temperature)[0],
                               token_logprobs(initial, t, batch.temperature)[0], "low_var_kl")

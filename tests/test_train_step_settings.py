@@ -1,22 +1,27 @@
 """The train-step settings that make it faster change nothing they should not: sequences sorted by length give
-the padded loss and gradients (fp32, 1e-6), bf16 stays within stated tolerances of fp32, and the compiled
-step gives the eager loss."""
+the padded loss and gradients (fp32, 1e-6), so do prompts run once per group (`share_prompts`), bf16 stays
+within stated tolerances of fp32, and the compiled step gives the eager loss."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from rl_tpu.config import RunConfig
+from rl_tpu.parallelize import hf_name
 from rl_tpu.trainer import TrainerWorker
 from conftest import free_port
 from test_algorithms import make_batch
 
 
 def one_step(model_dir, batch, dtype: str = "float32", **trainer) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The metrics of one train step and the (clipped) gradients the optimizer was given, in fp32."""
+    """The metrics of one train step and the (clipped) gradients the optimizer was given, in fp32; prompts are
+    run with their completions unless the call asks for `share_prompts`."""
     cfg = RunConfig()
     cfg.device, cfg.model.dtype, cfg.trainer.micro_batch_size = "cpu", dtype, 4
+    cfg.trainer.share_prompts = False
     for key, value in trainer.items():
         setattr(cfg.trainer, key, value)
     threads = torch.get_num_threads()
@@ -26,7 +31,7 @@ def one_step(model_dir, batch, dtype: str = "float32", **trainer) -> tuple[dict,
 
     def capture(*args, **kwargs):
         for name, param in worker.model.named_parameters():
-            grads[name] = param.grad.full_tensor().float().clone()
+            grads[hf_name(name)] = param.grad.full_tensor().float().clone()
         return step(*args, **kwargs)
 
     worker.optimizer.step = capture
@@ -39,7 +44,9 @@ def one_step(model_dir, batch, dtype: str = "float32", **trainer) -> tuple[dict,
 
 @pytest.fixture(scope="module")
 def batch():
-    return make_batch(seed=11, size=12, temperature=1.0)  # prompts of 3-9 and completions of 1-7 tokens
+    """Prompts of 3-9 and completions of 1-7 tokens; the three groups of 4 share their prompts, as in GRPO."""
+    batch = make_batch(seed=11, size=12, temperature=1.0)
+    return dataclasses.replace(batch, prompt_ids=[batch.prompt_ids[i - i % 4] for i in range(len(batch))])
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +62,26 @@ def test_sorting_by_length_cuts_padding_and_changes_neither_loss_nor_gradients(t
     assert sorted_["actor/loss"] == pytest.approx(padded["actor/loss"], abs=1e-6)
     for name, grad in padded_grads.items():
         torch.testing.assert_close(sorted_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation_checkpointing"])
+def test_prompts_run_once_per_group_give_the_whole_sequence_loss_and_gradients(tiny_model_dir, batch, fp32_step,
+                                                                                checkpointing):
+    """One micro-batch holds the three groups, so each row must get its own group's prompt back; a block that
+    activation checkpointing runs again must see the keys and values it saw the first time."""
+    whole, whole_grads = fp32_step
+    shared, shared_grads = one_step(tiny_model_dir, batch, sort_by_length=False, share_prompts=True,
+                                    micro_batch_size=len(batch), activation_checkpointing=checkpointing)
+    prompt_tokens = sum(map(len, batch.prompt_ids))
+    lengths = list(map(len, batch.completion_ids))
+    assert whole["perf/train_positions"] == prompt_tokens + sum(lengths)
+    # each group's prompt once; the last completion column predicts nothing, so it is not run
+    assert shared["perf/train_positions"] == prompt_tokens / 4 + sum(min(n, max(lengths) - 1) for n in lengths)
+    assert shared["actor/loss"] == pytest.approx(whole["actor/loss"], abs=1e-6)
+    assert shared["actor/entropy"] == pytest.approx(whole["actor/entropy"], abs=1e-6)
+    assert shared["actor/logprob_diff"] == pytest.approx(whole["actor/logprob_diff"], abs=1e-6)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=0, atol=1e-6, msg=name)
 
 
 def test_bf16_training_stays_within_tolerance_of_fp32(tiny_model_dir, batch, fp32_step):
@@ -75,8 +102,9 @@ def test_bf16_training_stays_within_tolerance_of_fp32(tiny_model_dir, batch, fp3
 
 
 def test_the_compiled_step_gives_the_eager_loss(tiny_model_dir, batch, fp32_step):
+    """Compiled with the prompts run once per group (the default), against eager whole sequences."""
     eager, eager_grads = fp32_step
-    compiled, compiled_grads = one_step(tiny_model_dir, batch, sort_by_length=False, compile=True)
+    compiled, compiled_grads = one_step(tiny_model_dir, batch, sort_by_length=False, compile=True, share_prompts=True)
     assert compiled["actor/loss"] == pytest.approx(eager["actor/loss"], abs=1e-5)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -20,9 +20,10 @@ def trainer_after_steps(model_dir, batch, steps: int, actor: dict | None = None,
     cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size, cfg.sampler.n = "cpu", 1e-3, 4, 4
     for key, value in (actor or {}).items():
         setattr(cfg.actor, key, value)
-    # the plain step's micro-batch order: a new summation order moves AdamW's first update of near-zero
-    # gradients (g / (|g| + eps)); sorting itself is checked on the gradients, test_train_step_settings.py
-    cfg.trainer.sort_by_length = False
+    # the plain step's micro-batch order and whole-sequence forward: a new summation order moves AdamW's first
+    # update of near-zero gradients (g / (|g| + eps)); sorting and shared prompts are checked on the gradients,
+    # test_train_step_settings.py
+    cfg.trainer.sort_by_length = cfg.trainer.share_prompts = False
     for key, value in trainer_overrides.items():
         setattr(cfg.trainer, key, value)
     threads = torch.get_num_threads()  # the worker sets its own; give the test process its count back
@@ -135,7 +136,7 @@ def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_clus
     cfg = RunConfig()
     cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size, cfg.trainer.world_size = "cpu", 1e-3, 4, 2
     cfg.sync.bucket_mb = 1.0  # several buckets, each gathered from the shards in turn
-    cfg.trainer.sort_by_length = False  # the plain step's micro-batch order (see trainer_after_steps)
+    cfg.trainer.sort_by_length = cfg.trainer.share_prompts = False  # the plain step's order (see trainer_after_steps)
     port = free_port()
     ranks = [ray_cluster.remote(TrainerWorker).options(num_cpus=1).remote(cfg, str(tiny_model_dir), r, 2, "127.0.0.1",
                                                                           port) for r in range(2)]
