@@ -12,8 +12,8 @@ Each rl_tpu variant runs the controller's loop through the real parts (vLLM samp
 trainer actor, reward worker pool, weight sync over the object store): `sync` is
 `trainer.max_staleness=0` with both sides free to use every core in turn, `async` is
 `max_staleness=1` with trainer and engine pinned to cores of their own when they fit
-(`pin_cores=auto`). Figures per variant: s/step (median, min, max of `--steps` after `--warmup`),
-generated and trained tokens/s, each side's idle seconds, the trainer's FLOP/s (6 x parameters x
+(`pin_cores=auto`); `unshared` runs every completion's prompt again (`trainer.share_prompts=false`).
+Figures per variant: s/step (median, min, max of `--steps` after `--warmup`), generated and trained tokens/s, each side's idle seconds, the trainer's FLOP/s (6 x parameters x
 trained positions per train second) as a fraction of a matmul's peak measured in this run on as many
 threads, and the load average. With `--peer trl`, TRL runs the same workload in its own virtual
 environment (made on request, never in CI) in fp32 and bf16, and then the best rl_tpu fp32 and bf16
@@ -80,17 +80,21 @@ class Variant:
     trainer_threads: int
     engine_threads: int
     compile: bool = False
+    share_prompts: bool = True  # False: every completion runs its prompt again (before trainer.share_prompts)
 
     @property
     def name(self) -> str:
         return (f"{self.mode} {'fp32' if self.dtype == 'float32' else 'bf16'} trainer {self.trainer_threads}t "
-                f"engine {self.engine_threads}t{' compiled' if self.compile else ''}")
+                f"engine {self.engine_threads}t{' compiled' if self.compile else ''}"
+                f"{'' if self.share_prompts else ' unshared'}")
 
 
-# sync: the sides take turns, so each may use both cores; async: one core each (pinned), or the engine on two
+# sync: the sides take turns, so each may use both cores; async: one core each (pinned), or the engine on two;
+# and the best layout in each dtype with every prompt run per completion, the baseline of trainer.share_prompts
 VARIANTS = [Variant(mode, dtype, 2 if mode == "sync" else 1, engine, compiled)
             for dtype in ("float32", "bfloat16") for mode in ("sync", "async") for engine in (1, 2)
             for compiled in (False, True) if not compiled or (engine == 1 and mode == "async")]
+VARIANTS += [Variant("async", dtype, 1, 1, True, share_prompts=False) for dtype in ("float32", "bfloat16")]
 
 
 def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
@@ -107,6 +111,7 @@ def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
     cfg.trainer.world_size, cfg.trainer.threads_per_rank = 1, variant.trainer_threads
     cfg.trainer.max_staleness = 1 if variant.mode == "async" else 0
     cfg.trainer.compile = variant.compile
+    cfg.trainer.share_prompts = variant.share_prompts
     cfg.trainer.total_steps = 10**6  # the queue stops at total_steps
     cfg.reward.name = "arithmetic"
     return cfg

