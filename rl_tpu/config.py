@@ -287,7 +287,8 @@ class TrainerConfig:
     sort_by_length: bool = True
     # Each distinct prompt of a micro-batch is run once and its keys and values serve every completion of its
     # group (a GRPO group shares its prompt), so a prompt costs 1/sampler.n of its compute; loss and gradients
-    # equal the whole-sequence forward's (fp32: to 1e-6)
+    # equal the whole-sequence forward's (fp32: to 1e-6). A compiler sees one more batch size per count of distinct
+    # prompts in a micro-batch (on TPU each is a graph of its own)
     share_prompts: bool = True
     # Host allocations of 1 MiB or more are mapped and unmapped on their own, so freed memory goes back to the
     # OS at once (glibc's MALLOC_MMAP_THRESHOLD_): otherwise freed parameter-sized blocks stay in the heap and a

@@ -10,8 +10,8 @@ would be the largest allocation of a step.
 With `share_prompts` (`trainer.share_prompts`), a GRPO group's completions share one forward of
 their prompt: the distinct prompts of a micro-batch run once, their keys and values are handed to
 every row that has that prompt (as a KV cache, through which the gradient flows back), and the
-completions then run on their own. The logprobs are those of the whole-sequence forward (fp32: to
-float rounding, tests/test_train_step_settings.py); the prompt positions cost 1/n of their compute.
+completions then run on their own. Loss and gradients are the whole-sequence forward's (fp32: to
+1e-6, tests/test_train_step_settings.py); a prompt costs 1/`sampler.n` of its compute.
 """
 
 from __future__ import annotations
@@ -63,12 +63,14 @@ def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device,
     tensors = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, targets=targets,
                    response_mask=response_mask, sampler_logprobs=sampler_logprobs, advantages=advantages)
     if share_prompts:
-        distinct: dict[tuple[int, ...], int] = {}  # prompt -> its first row
-        for i, prompt in enumerate(batch.prompt_ids):
-            distinct.setdefault(tuple(prompt), i)
-        order = {row: k for k, row in enumerate(distinct.values())}
-        index = [order[distinct[tuple(prompt)]] for prompt in batch.prompt_ids]
-        tensors.update(prompt_rows=torch.tensor(list(distinct.values())), prompt_index=torch.tensor(index))
+        slots: dict[tuple[int, ...], int] = {}  # a distinct prompt -> its place in `rows`
+        rows, index = [], []
+        for i, prompt in enumerate(map(tuple, batch.prompt_ids)):
+            if prompt not in slots:
+                slots[prompt] = len(rows)
+                rows.append(i)
+            index.append(slots[prompt])
+        tensors.update(prompt_rows=torch.tensor(rows), prompt_index=torch.tensor(index))
     return {k: v.to(device) for k, v in tensors.items()}
 
 
