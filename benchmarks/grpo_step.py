@@ -12,15 +12,19 @@ Each rl_tpu variant runs the controller's loop through the real parts (vLLM samp
 trainer actor, reward worker pool, weight sync over the object store): `sync` is
 `trainer.max_staleness=0` with both sides free to use every core in turn, `async` is
 `max_staleness=1` with trainer and engine pinned to cores of their own when they fit
-(`pin_cores=auto`); `unshared` runs every completion's prompt again (`trainer.share_prompts=false`).
-Figures per variant: s/step (median, min, max of `--steps` after `--warmup`), generated and trained tokens/s, each side's idle seconds, the trainer's FLOP/s (6 x parameters x
-trained positions per train second) as a fraction of a matmul's peak measured in this run on as many
-threads, and the load average. With `--peer trl`, TRL runs the same workload in its own virtual
-environment (made on request, never in CI) in fp32 and bf16, and then the best rl_tpu fp32 and bf16
-variants and TRL's alternate, A B A B, with the ratio of each pair printed. bf16 runs only where the
+(`pin_cores=auto`), the trainer computing on the engine's cores too while the engine is idle
+(`trainer.borrow_idle_cores=true`, off in a run's defaults; `no loan` without); `unshared` runs
+every completion's prompt again (`trainer.share_prompts=false`). Figures per variant: s/step
+(median, min, max of `--steps` after `--warmup`), generated and trained tokens/s, each side's idle
+seconds, the seconds the trainer computed on the engine's cores, the trainer's FLOP/s (6 x
+parameters x trained positions per train second) as a fraction of a matmul's peak measured in this
+run on its own thread count (a borrowing trainer can pass it), and the load average. With `--peer
+trl`, TRL runs the same workload in its own virtual environment (made on request, never in CI) in
+fp32 and bf16, and then the best rl_tpu fp32 and bf16 variants and TRL's alternate, A B A B, with
+the ratio of each pair printed. bf16 runs only where the
 CPU computes it natively (AVX512-BF16 or AMX) unless `--dtypes` asks for it.
 
-    python benchmarks/grpo_step.py                 # rl_tpu's variants, about 6 minutes (fp32 only)
+    python benchmarks/grpo_step.py                 # rl_tpu's variants, about 8 minutes (fp32 only)
     python benchmarks/grpo_step.py --peer trl      # and TRL side by side (first run builds its venv)
 """
 
@@ -81,20 +85,24 @@ class Variant:
     engine_threads: int
     compile: bool = False
     share_prompts: bool = True  # False: every completion runs its prompt again (before trainer.share_prompts)
+    borrow: bool = True  # False: the trainer keeps to its own core (before trainer.borrow_idle_cores)
 
     @property
     def name(self) -> str:
         return (f"{self.mode} {'fp32' if self.dtype == 'float32' else 'bf16'} trainer {self.trainer_threads}t "
                 f"engine {self.engine_threads}t{' compiled' if self.compile else ''}"
-                f"{'' if self.share_prompts else ' unshared'}")
+                f"{'' if self.share_prompts else ' unshared'}{'' if self.borrow else ' no loan'}")
 
 
-# sync: the sides take turns, so each may use both cores; async: one core each (pinned), or the engine on two;
-# and the best layout in each dtype with every prompt run per completion, the baseline of trainer.share_prompts
+# sync: the sides take turns, so each may use both cores; async: one core each (pinned, the trainer borrowing the
+# engine's while it is idle; compiled, it borrows nothing), or the engine on two; and the pinned layout in each dtype
+# without the loan and with every prompt run per completion, the baselines of trainer.borrow_idle_cores and
+# trainer.share_prompts
 VARIANTS = [Variant(mode, dtype, 2 if mode == "sync" else 1, engine, compiled)
             for dtype in ("float32", "bfloat16") for mode in ("sync", "async") for engine in (1, 2)
             for compiled in (False, True) if not compiled or (engine == 1 and mode == "async")]
-VARIANTS += [Variant("async", dtype, 1, 1, True, share_prompts=False) for dtype in ("float32", "bfloat16")]
+VARIANTS += [Variant("async", dtype, 1, 1, borrow=False) for dtype in ("float32", "bfloat16")]
+VARIANTS += [Variant("async", dtype, 1, 1, share_prompts=False) for dtype in ("float32", "bfloat16")]
 
 
 def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
@@ -112,6 +120,7 @@ def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
     cfg.trainer.max_staleness = 1 if variant.mode == "async" else 0
     cfg.trainer.compile = variant.compile
     cfg.trainer.share_prompts = variant.share_prompts
+    cfg.trainer.borrow_idle_cores = variant.borrow
     cfg.trainer.total_steps = 10**6  # the queue stops at total_steps
     cfg.reward.name = "arithmetic"
     return cfg
@@ -170,6 +179,7 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
         "generate_wait_s": median("time/generate_s"), "reward_s": median("time/reward_s"),
         "train_s": median("time/train_s"), "sync_s": median("time/sync_s"),
         "trainer_idle_s": median("time/trainer_idle_s"),
+        "trainer_borrowed_s": median("time/trainer_borrowed_s"),
         "sampler_idle_s": statistics.median(r.get("time/sampler_idle_s", float("nan")) for r in timed),
         "gen_tokens_per_step": median("perf/train_tokens"),
         "train_positions_per_step": median("perf/train_positions"),
@@ -220,7 +230,8 @@ def show(run: dict) -> None:
     extra = ""
     if "train_s" in run:
         extra = (f" | generate wait {run['generate_wait_s']:.3f}, train {run['train_s']:.3f}, sync {run['sync_s']:.3f}; "
-                 f"idle trainer {run['trainer_idle_s']:.3f} sampler {run['sampler_idle_s']:.3f}; train "
+                 f"idle trainer {run['trainer_idle_s']:.3f} sampler {run['sampler_idle_s']:.3f}; trainer on engine "
+                 f"cores {run['trainer_borrowed_s']:.3f}; train "
                  f"{run['train_flop_per_s'] / 1e9:.0f} GFLOP/s = {run['train_flop_of_peak']:.2f} of peak; padding "
                  f"{run['padding_frac']:.1%}")
     print(f"{run['variant']:<42} {run['step_s']:.3f} s/step (min {run['step_s_min']:.3f}, max "

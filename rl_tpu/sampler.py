@@ -18,6 +18,7 @@ from typing import Iterator
 import ray
 
 from rl_tpu.actor_logs import actor_name, send_output_to_file
+from rl_tpu.core_loan import EngineActivity
 from rl_tpu.cpu_binding import CpuBinding
 from rl_tpu.metrics import peak_rss_mb
 from rl_tpu.placement import require_model_on_node, where_am_i
@@ -144,6 +145,7 @@ class Sampler:
         )
         self.version = 0
         self.turns = EngineTurns()
+        self.activity = EngineActivity(options.binding.activity_folder, options.index)
         self.busy_s = 0.0  # seconds the engine spent generating and installing, since start
         # what the engine holds (fused names included): every install must fill all of it
         self.engine_params = set(self.llm.collective_rpc(engine_parameter_names)[0])
@@ -172,7 +174,7 @@ class Sampler:
             seed=seed,
             detokenize=False,  # rollouts carry token ids; the grader decodes them (saves per-token work)
         ) for seed in (seeds if seeds is not None else [None] * len(prompts))]
-        with self.turns.generation():
+        with self.activity, self.turns.generation():
             start = time.perf_counter()
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             self.busy_s += time.perf_counter() - start
@@ -191,24 +193,26 @@ class Sampler:
     @ray.method(concurrency_group="weights")
     def install(self, bundle: WeightBundle) -> dict[str, float]:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong."""
-        start = time.perf_counter()
-        # reads every bucket, refused or not: a collective stream stays aligned
-        tensors, timings = unpack(bundle, receiver=self.options.index)
-        if bundle.version <= self.version:
-            raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
-        check_names(bundle, self.engine_params)
-        unpacked = time.perf_counter()
-        with self.turns.install():
-            installed = time.perf_counter()
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
-            # Cached prefixes were computed with the old weights.
-            self.llm.reset_prefix_cache()
-            self.version = bundle.version
-            done = time.perf_counter()
-            self.busy_s += done - installed
-        return {**timings, "install_s": done - installed, "receive_s": (unpacked - start) + (done - installed),
-                "install_wait_s": installed - unpacked,  # the generation under way finishing first
-                "peak_rss_mb": peak_rss_mb(), "version": self.version, "busy_s": self.busy_s}
+        with self.activity:  # receiving and verifying use the engine's cores too
+            start = time.perf_counter()
+            # reads every bucket, refused or not: a collective stream stays aligned
+            tensors, timings = unpack(bundle, receiver=self.options.index)
+            if bundle.version <= self.version:
+                raise WeightSyncError(
+                    f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
+            check_names(bundle, self.engine_params)
+            unpacked = time.perf_counter()
+            with self.turns.install():
+                installed = time.perf_counter()
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+                # Cached prefixes were computed with the old weights.
+                self.llm.reset_prefix_cache()
+                self.version = bundle.version
+                done = time.perf_counter()
+                self.busy_s += done - installed
+            return {**timings, "install_s": done - installed, "receive_s": (unpacked - start) + (done - installed),
+                    "install_wait_s": installed - unpacked,  # the generation under way finishing first
+                    "peak_rss_mb": peak_rss_mb(), "version": self.version, "busy_s": self.busy_s}
 
     def sleep(self) -> None:
         """Give the device to the trainer: weights to host memory, KV cache dropped (sleep mode only)."""
@@ -235,6 +239,8 @@ class Sampler:
 
     def shutdown(self) -> None:
         """Release the engine before the actor exits (a lingering engine leaks shared memory)."""
+        if hasattr(self, "activity"):
+            self.activity.close()
         engine = getattr(self, "llm", None)
         if engine is not None:
             engine.llm_engine.engine_core.shutdown()

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from rl_tpu import algorithms, placement, sync
 from rl_tpu.actor_logs import actor_name, send_output_to_file
 from rl_tpu.config import RunConfig, value_of
+from rl_tpu.core_loan import Borrower
 from rl_tpu.cpu_binding import CpuBinding
 from rl_tpu.device import Device
 from rl_tpu.export import MODEL_FILES, copy_model_files
@@ -69,7 +70,8 @@ class TrainerWorker:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         # before the process group starts its threads, which inherit the pinning
-        (binding or CpuBinding(cfg.trainer.threads_per_rank)).apply(self.name)
+        binding = binding or CpuBinding(cfg.trainer.threads_per_rank)
+        self.borrower = Borrower(binding, binding.apply(self.name))
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         self.device = Device.resolve(cfg.device)
         if self.device.dist_backend == "gloo":
@@ -115,6 +117,7 @@ class TrainerWorker:
             if self.rank == 0:
                 buffer.copy_(loaded[hf_name(name)])
             dist.broadcast(buffer, src=0)
+        self.borrower.attach(model)
         return model
 
     def _attention(self, param_dtype: torch.dtype) -> str:
@@ -138,6 +141,8 @@ class TrainerWorker:
         `actor.old_logprob_source`); with a single update they are the current ones, taken from its forward.
         """
         start = time.perf_counter()
+        self.borrower.poll()  # the engines may have work again since the last step
+        self.borrower.take_wide_seconds()
         actor = self.cfg.actor
         mini_size = len(batch) if actor.ppo_mini_batch_size is None else actor.ppo_mini_batch_size * self.cfg.sampler.n
         minis = micro_batches(batch, mini_size)
@@ -151,7 +156,9 @@ class TrainerWorker:
             for count, micros in zip(counts, prepared):
                 for t in micros:
                     self._backward(t, count, batch, sums, first_epoch=epoch == 0)
+                self.borrower.poll()
                 grad_norms.append(self._optimizer_step())
+        sums["borrowed_s"] = self.borrower.take_wide_seconds()
         finite = [g for g in grad_norms if math.isfinite(g)]
         skipped = len(grad_norms) - len(finite)
         if finite:  # the schedule counts steps that changed the weights
@@ -255,6 +262,8 @@ class TrainerWorker:
         tokens, update_tokens = max(total.pop("tokens"), 1.0), max(total.pop("update_tokens"), 1.0)
         positions_real, positions = total.pop("positions_real"), max(total.pop("positions"), 1.0)
         out = {
+            # seconds of the step a rank computed on engine cores too (trainer.borrow_idle_cores), ranks' mean
+            "time/trainer_borrowed_s": total.pop("borrowed_s") / self.world_size,
             "perf/padding_frac": 1.0 - positions_real / positions,
             "perf/train_positions": positions_real,  # prompt and completion tokens the forward computed
             "actor/loss": total.pop("loss") / (self.world_size * updates),  # the mean of the updates' losses

@@ -135,7 +135,7 @@ def bind_cores(cfg: RunConfig, kind: str, reservation: placement.Reservation) ->
         node_cores[here] = len(os.sched_getaffinity(0))
     one_host = set(trainer_nodes + engine_nodes) == {here}
     pin = cpu_binding.should_pin(cfg, kind, one_host)
-    return cpu_binding.bind(cfg, trainer_nodes, engine_nodes, pin, node_cores)
+    return cpu_binding.bind(cfg, trainer_nodes, engine_nodes, pin, node_cores, f"rl_tpu-{uuid.uuid4().hex[:12]}")
 
 
 def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:

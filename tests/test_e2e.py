@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -236,16 +237,21 @@ def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
 
 def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_path):
     """trainer.max_staleness=1: batch t comes from weights t-2 (after the first), reweighted by TIS. The run also
-    puts the KL to the initial weights in the reward, with verl's adaptive controller."""
+    puts the KL to the initial weights in the reward, with verl's adaptive controller, and lends the idle engine's
+    core to the trainer."""
     run_cli(tmp_path / "run", tmp_path / "cache", "trainer.total_steps=4", "trainer.max_staleness=1",
-            "trainer.world_size=1", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl",
-            "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=100")
+            "trainer.world_size=1", "trainer.borrow_idle_cores=true", "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=100")
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")[1:]
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1, 2]
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
     assert [r["sync/version"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
         assert 0.5 < row["actor/rollout_is_mean"] < 1.5 and 0.0 <= row["actor/rollout_is_ratio_fraction_high"] <= 1.0
+    # pinned (2 CPUs: one each), the trainer computes on the engine's core while the engine waits for weights
+    borrowed = [r["time/trainer_borrowed_s"] for r in rows]
+    assert all(0.0 <= b <= r["time/train_s"] for b, r in zip(borrowed, rows))
+    assert (sum(borrowed) > 0.0) == (len(os.sched_getaffinity(0)) >= 2), borrowed
     # fresh rollouts agree with the trainer to float precision; stale ones were made by other weights
     assert rows[0]["actor/logprob_diff"] < 1e-5 and all(r["actor/logprob_diff"] > 1e-5 for r in rows[1:])
     # step 1 trains the initial weights, the reference itself (k3 is positive for any other policy; k1 can be
