@@ -31,7 +31,7 @@ BUSY, IDLE = b"1", b"0"
 
 
 def activity_root() -> Path:
-    """Where this node keeps the activity files: shared memory where there is one, so reads never touch a disk."""
+    """Where this node keeps the activity files: shared memory where there is one, so reads stay in memory."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
@@ -99,19 +99,21 @@ class Borrower:
             self._switch(not self.wide)
 
     def _switch(self, wide: bool) -> None:
-        now = time.perf_counter()
-        if self.wide:
-            self.wide_s += now - self._wide_since
-        self.wide, self._wide_since = wide, now
+        self._count_wide_time()
+        self.wide = wide
         # the wider mask first, so the threads a larger pool starts inherit it
         pin_threads(self._wide_cpus if wide else self._narrow_cpus)
         torch.set_num_threads(len(self._wide_cpus) if wide else self.binding.threads)
 
+    def _count_wide_time(self) -> None:
+        now = time.perf_counter()
+        if self.wide:
+            self.wide_s += now - self._wide_since
+        self._wide_since = now
+
     def take_wide_seconds(self) -> float:
         """Seconds spent widened since the last call (a step's share)."""
-        if self.wide:
-            now = time.perf_counter()
-            self.wide_s, self._wide_since = self.wide_s + now - self._wide_since, now
+        self._count_wide_time()
         seconds, self.wide_s = self.wide_s, 0.0
         return seconds
 

@@ -103,6 +103,7 @@ def bind(cfg: RunConfig, trainer_nodes: list[str], engine_nodes: list[str], pin:
     ranks = len(trainer_nodes)
     if not pin:
         return bindings[:ranks], bindings[ranks:]
+    lend = lends_cores(cfg)
     for node in dict.fromkeys(nodes):
         on_node = [i for i, where in enumerate(nodes) if where == node]
         needed = sum(bindings[i].threads for i in on_node)
@@ -115,7 +116,7 @@ def bind(cfg: RunConfig, trainer_nodes: list[str], engine_nodes: list[str], pin:
         for i in on_node:
             bindings[i] = CpuBinding(bindings[i].threads, tuple(range(first, first + bindings[i].threads)))
             first += bindings[i].threads
-        if lends_cores(cfg):
+        if lend:
             lend_engine_cores(bindings, [i for i in on_node if i < ranks], [i for i in on_node if i >= ranks],
                               ranks, activity_folder)
     return bindings[:ranks], bindings[ranks:]
