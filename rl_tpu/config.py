@@ -281,9 +281,9 @@ class TrainerConfig:
     compile: bool = False  # torch.compile each decoder block (inductor; the first step compiles, ~1 min on CPU)
     threads_per_rank: int = 1
     # Pinned CPU runs (pin_cores): a rank also computes on its node's engine cores while every engine there is
-    # idle, and narrows back when one takes a call (rl_tpu/core_loan.py); not with `compile`. Off by default: it
-    # pays where the train step is long beside the controller's own work, and slowed grpo_math's short steps
-    # (benchmarks/README.md)
+    # idle, and narrows back when one takes a call (rl_tpu/core_loan.py). With `compile`, each block compiles once
+    # per thread count, over the first steps. Off by default: it pays where the train step is long beside the
+    # controller's own work, and slowed grpo_math's short steps (benchmarks/README.md)
     borrow_idle_cores: bool = False
     # the trainer model's attention: eager, sdpa, flash_attention_2 ...; None: eager for bf16 on CPU (PyTorch's
     # bf16 CPU flash-attention backward is slow: benchmarks/README.md), else sdpa

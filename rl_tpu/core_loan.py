@@ -121,7 +121,14 @@ class Borrower:
         """Poll before each decoder block's forward, and after each block's backward (its input's gradient)."""
         if not self.loan:
             return
+        # Compiled blocks (`trainer.compile`): Inductor fixes a kernel's thread count when it compiles it unless
+        # told to read it when the kernel runs. Dynamo compiles each block once per thread count (it guards on
+        # it), but a backward is compiled at its first run, maybe at the other width: two threads on one core.
+        import torch._inductor.config  # here: a second to import, and only a borrowing rank needs it
 
+        torch._inductor.config.cpp.dynamic_threads = True
+
+        @torch.compiler.disable  # Python between the compiled blocks, never traced into them
         def before_block(_module, args) -> None:
             self.poll()
             hidden = args[0] if args else None

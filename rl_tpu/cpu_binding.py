@@ -103,7 +103,6 @@ def bind(cfg: RunConfig, trainer_nodes: list[str], engine_nodes: list[str], pin:
     ranks = len(trainer_nodes)
     if not pin:
         return bindings[:ranks], bindings[ranks:]
-    lend = lends_cores(cfg)
     for node in dict.fromkeys(nodes):
         on_node = [i for i, where in enumerate(nodes) if where == node]
         needed = sum(bindings[i].threads for i in on_node)
@@ -116,18 +115,10 @@ def bind(cfg: RunConfig, trainer_nodes: list[str], engine_nodes: list[str], pin:
         for i in on_node:
             bindings[i] = CpuBinding(bindings[i].threads, tuple(range(first, first + bindings[i].threads)))
             first += bindings[i].threads
-        if lend:
+        if cfg.trainer.borrow_idle_cores:
             lend_engine_cores(bindings, [i for i in on_node if i < ranks], [i for i in on_node if i >= ranks],
                               ranks, activity_folder)
     return bindings[:ranks], bindings[ranks:]
-
-
-def lends_cores(cfg: RunConfig) -> bool:
-    """Compiled blocks (`trainer.compile`) borrow nothing: dynamo guards each graph on torch's thread count, so
-    every widening and narrowing would compile the blocks again (measured: slower than not borrowing)."""
-    if cfg.trainer.borrow_idle_cores and cfg.trainer.compile:
-        log.info("trainer.compile: the ranks do not borrow the engines' idle cores (borrow_idle_cores is ignored)")
-    return cfg.trainer.borrow_idle_cores and not cfg.trainer.compile
 
 
 def lend_engine_cores(bindings: list[CpuBinding], ranks_here: list[int], engines_here: list[int], ranks: int,

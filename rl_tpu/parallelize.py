@@ -40,10 +40,11 @@ def apply_compile(model: nn.Module, device: Device) -> None:
     """Compile each block separately: identical blocks share one compiled graph.
 
     Dynamo counts a block's variants (per layer index, with and without a prompt's KV prefix
-    (`trainer.share_prompts`), static then dynamic shapes) against one limit for the shared code; at
-    its default of 8 the later variants run uncompiled, so allow 8 per block."""
+    (`trainer.share_prompts`), static then dynamic shapes, and per thread count where a rank borrows
+    idle engine cores) against one limit for the shared code; at its default of 8 the later variants
+    run uncompiled, so allow 16 per block."""
     layers = decoder_layers(model)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(layers))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(layers))
     for layer in layers:
         layer.compile(backend=device.compile_backend, fullgraph=False)
 

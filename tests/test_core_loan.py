@@ -32,10 +32,9 @@ def test_a_nodes_engine_cores_are_dealt_to_its_ranks_and_each_loan_watches_every
     assert [e.activity_folder for e in engines] == ["run-x", "run-x"] and all(e.loan is None for e in engines)
 
 
-@pytest.mark.parametrize("change", ["unpinned", "compiled", "switched off", "default"])
-def test_no_loan_unpinned_compiled_switched_off_or_by_default(change):
+@pytest.mark.parametrize("change", ["unpinned", "switched off", "default"])
+def test_no_loan_unpinned_switched_off_or_by_default(change):
     cfg = config()
-    cfg.trainer.compile = change == "compiled"
     cfg.trainer.borrow_idle_cores = change != "switched off"
     if change == "default":
         cfg.trainer.borrow_idle_cores = RunConfig().trainer.borrow_idle_cores
@@ -109,3 +108,59 @@ def test_a_rank_with_a_loan_polls_before_each_blocks_forward_and_after_its_backw
         with torch.no_grad():  # evaluation: no backward to poll after
             model(torch.tensor([[1, 2, 3]]))
         assert len(polls) == expected + (layers if loan else 0)
+
+
+COMPILED = """
+import json, sys
+import torch
+from rl_tpu.config import RunConfig
+from rl_tpu.core_loan import EngineActivity
+from rl_tpu.cpu_binding import CoreLoan, CpuBinding
+from rl_tpu.rollout import TrainBatch
+from rl_tpu.trainer import TrainerWorker
+
+model_dir, folder, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cfg = RunConfig()
+cfg.device, cfg.trainer.compile, cfg.trainer.borrow_idle_cores, cfg.trainer.micro_batch_size = "cpu", True, True, 4
+cfg.algorithm.lr = 0.0  # the same weights at every step, so every step's loss and gradient can be compared
+engine = EngineActivity(folder, 0)
+binding = CpuBinding(threads=1, cores=(0,), loan=CoreLoan(cores=(1,), engines=(0,), folder=folder))
+worker = TrainerWorker(cfg, model_dir, 0, 1, "127.0.0.1", port, binding=binding)
+prompts = [[5, 6, 7, 8, 9, 10][: 3 + g] for g in range(3) for _ in range(4)]  # 3 groups of 4 share a prompt
+completions = [[11 + i, 12, 13, 14, 15][: 1 + i % 5] for i in range(12)]
+batch = TrainBatch(prompts, completions, [[-1.5] * len(c) for c in completions],
+                   [[(-1.0) ** i] * len(c) for i, c in enumerate(completions)], 1.0)
+steps = []
+for busy in (True, False, True, False):
+    if busy:
+        engine.__enter__()
+    metrics = worker.train_step(batch)
+    if busy:
+        engine.__exit__()
+    steps.append({"busy": busy, "loss": metrics["actor/loss"], "grad_norm": metrics["actor/grad_norm"],
+                  "borrowed": metrics["time/trainer_borrowed_s"],
+                  "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})
+worker.shutdown()
+engine.close()
+print(json.dumps(steps))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to lend one")
+def test_a_compiled_rank_compiles_each_width_once_and_computes_the_same_at_both(tiny_model_dir):
+    """trainer.compile with a loan: narrow, wide, narrow, wide steps on one batch at lr 0. The second width
+    compiles new graphs once; after that switching compiles nothing, and every step's loss and gradient agree."""
+    from conftest import free_port
+
+    folder = f"rl_tpu-test-compiled-{os.getpid()}"
+    out = subprocess.run([sys.executable, "-c", COMPILED, str(tiny_model_dir), folder, str(free_port())],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    narrow, wide, narrow_again, wide_again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert narrow["borrowed"] == 0 and narrow_again["borrowed"] == 0
+    assert wide["borrowed"] > 0 and wide_again["borrowed"] > 0
+    assert wide["graphs"] > narrow["graphs"] > 0  # the wide thread count compiled graphs of its own
+    assert narrow_again["graphs"] == wide_again["graphs"] == wide["graphs"]  # and nothing compiles again
+    for step in (wide, narrow_again, wide_again):
+        assert step["loss"] == pytest.approx(narrow["loss"], abs=1e-6)
+        assert step["grad_norm"] == pytest.approx(narrow["grad_norm"], rel=1e-5)
