@@ -88,7 +88,7 @@ def should_pin(cfg: RunConfig, kind: str, one_host: bool) -> bool:
 
 
 def bind(cfg: RunConfig, trainer_nodes: list[str], engine_nodes: list[str], pin: bool,
-         node_cores: dict[str, int], activity_folder: str = "") -> tuple[list[CpuBinding], list[CpuBinding]]:
+         node_cores: dict[str, int], activity_folder: str) -> tuple[list[CpuBinding], list[CpuBinding]]:
     """Each trainer rank's and each engine's binding; `*_nodes` is where each was placed.
 
     Pinned, the actors on a node take consecutive cores, ranks first. When they need more cores

@@ -33,7 +33,8 @@ def test_auto_pins_only_a_one_host_cpu_run_in_async_mode():
 
 def test_ranks_take_the_first_cores_of_their_node_and_engines_the_next():
     cfg = config(trainer_threads=2, engine_threads=1)
-    trainers, engines = bind(cfg, ["n1", "n1", "n2"], ["n1", "n2"], pin=True, node_cores={"n1": 8, "n2": 4})
+    trainers, engines = bind(cfg, ["n1", "n1", "n2"], ["n1", "n2"], pin=True, node_cores={"n1": 8, "n2": 4},
+                             activity_folder="run")
     assert [t.cores for t in trainers] == [(0, 1), (2, 3), (0, 1)]
     assert [e.cores for e in engines] == [(4,), (2,)]
     assert [t.threads for t in trainers] == [2, 2, 2] and [e.threads for e in engines] == [1, 1]
@@ -41,7 +42,8 @@ def test_ranks_take_the_first_cores_of_their_node_and_engines_the_next():
 
 def test_a_node_without_enough_cores_runs_its_actors_unpinned_and_says_so(caplog):
     cfg = config(trainer_threads=2, engine_threads=2)
-    trainers, engines = bind(cfg, ["small", "big"], ["small"], pin=True, node_cores={"small": 2, "big": 4})
+    trainers, engines = bind(cfg, ["small", "big"], ["small"], pin=True, node_cores={"small": 2, "big": 4},
+                             activity_folder="run")
     assert trainers[0].cores == () and engines[0].cores == ()
     assert trainers[1].cores == (0, 1)  # the other node is still pinned
     assert "need 4 cores" in caplog.text and "has 2" in caplog.text
@@ -50,7 +52,7 @@ def test_a_node_without_enough_cores_runs_its_actors_unpinned_and_says_so(caplog
 def test_engine_threads_default_to_its_reserved_cpus():
     cfg = config()
     cfg.sampler.num_cpus = 2.0
-    _, engines = bind(cfg, ["n"], ["n"], pin=False, node_cores={"n": 2})
+    _, engines = bind(cfg, ["n"], ["n"], pin=False, node_cores={"n": 2}, activity_folder="run")
     assert engines == [CpuBinding(threads=2)]
 
 
