@@ -13,8 +13,9 @@ trainer actor, reward worker pool, weight sync over the object store): `sync` is
 `trainer.max_staleness=0` with both sides free to use every core in turn, `async` is
 `max_staleness=1` with trainer and engine pinned to cores of their own when they fit
 (`pin_cores=auto`), the trainer computing on the engine's cores too while the engine is idle
-(`trainer.borrow_idle_cores=true`, off in a run's defaults; `no loan` without), eager or
-`compiled` (`trainer.compile`); `unshared` runs every completion's prompt again
+(`trainer.borrow_idle_cores=true`, off in a run's defaults; `no loan` without), the trainer eager or
+`compiled` (`trainer.compile`), the engine eager or `compiled` (`sampler.enforce_eager=false`: vLLM
+torch.compiles the model); `unshared` runs every completion's prompt again
 (`trainer.share_prompts=false`). Figures per variant: s/step (median, min, max of `--steps` after
 `--warmup` steps: 10 by default, so that a compiled trainer has compiled each block at both thread
 counts; their times are in the JSON record; TRL's runs warm up `--peer-warmup`, DESIGN.md's 1),
@@ -27,7 +28,7 @@ fp32 and bf16, and then the best rl_tpu fp32 and bf16 variants and TRL's alterna
 the ratio of each pair printed. bf16 runs only where the
 CPU computes it natively (AVX512-BF16 or AMX) unless `--dtypes` asks for it.
 
-    python benchmarks/grpo_step.py                 # rl_tpu's variants, about 10 minutes (fp32 only)
+    python benchmarks/grpo_step.py                 # rl_tpu's variants, about 15 minutes on 2 cores (fp32 only)
     python benchmarks/grpo_step.py --peer trl      # and TRL side by side (first run builds its venv)
 """
 
@@ -89,11 +90,13 @@ class Variant:
     compile: bool = False
     share_prompts: bool = True  # False: every completion runs its prompt again (before trainer.share_prompts)
     borrow: bool = True  # False: the trainer keeps to its own core (before trainer.borrow_idle_cores)
+    engine_compile: bool = False  # True: vLLM torch.compiles the model (sampler.enforce_eager=false)
 
     @property
     def name(self) -> str:
-        return (f"{self.mode} {'fp32' if self.dtype == 'float32' else 'bf16'} trainer {self.trainer_threads}t "
-                f"engine {self.engine_threads}t{' compiled' if self.compile else ''}"
+        return (f"{self.mode} {'fp32' if self.dtype == 'float32' else 'bf16'} trainer {self.trainer_threads}t"
+                f"{' compiled' if self.compile else ''} engine {self.engine_threads}t"
+                f"{' compiled' if self.engine_compile else ''}"
                 f"{'' if self.share_prompts else ' unshared'}{'' if self.borrow else ' no loan'}")
 
 
@@ -107,6 +110,9 @@ VARIANTS = [Variant(mode, dtype, 2 if mode == "sync" else 1, engine, compiled)
 VARIANTS += [Variant("async", dtype, 1, 1, compiled, borrow=False) for dtype in ("float32", "bfloat16")
              for compiled in (False, True)]
 VARIANTS += [Variant("async", dtype, 1, 1, share_prompts=False) for dtype in ("float32", "bfloat16")]
+# and the pinned layout with a compiled engine, beside an eager and a compiled trainer
+VARIANTS += [Variant("async", dtype, 1, 1, compiled, engine_compile=True) for dtype in ("float32", "bfloat16")
+             for compiled in (False, True)]
 
 
 def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
@@ -118,6 +124,7 @@ def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
     cfg.sampler.n, cfg.sampler.response_length, cfg.sampler.temperature = 8, 32, 1.0
     cfg.sampler.top_p, cfg.sampler.top_k = 1.0, -1
     cfg.sampler.threads = variant.engine_threads
+    cfg.sampler.enforce_eager = not variant.engine_compile
     cfg.algorithm.lr, cfg.algorithm.warmup_steps, cfg.algorithm.grad_clip = 1e-5, 0, 1.0
     cfg.actor.use_kl_loss = False
     cfg.trainer.world_size, cfg.trainer.threads_per_rank = 1, variant.trainer_threads

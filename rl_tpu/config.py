@@ -161,7 +161,9 @@ class SamplerConfig:
     kv_cache_gb: Optional[float] = 1.0  # the engine's KV cache; None on an accelerator: gpu_memory_utilization decides
     # the share of an accelerator's memory the engine may take; None: 0.85 on a device of its own, 0.4 colocated
     gpu_memory_utilization: Optional[float] = None
-    # true: no CUDA graphs / graph capture (start-up in seconds); false on an accelerator for faster decoding
+    # true: the engine runs eagerly (start-up in seconds); false: vLLM torch.compiles the model and, on GPUs,
+    # captures CUDA graphs: a start-up longer by tens of seconds, for faster decoding where the model's own
+    # compute dominates (on CPU it gained 0-25%: benchmarks/README.md)
     enforce_eager: bool = True
     seed: int = 0  # each prompt's draws at each step are seeded from this, the step and the prompt's index
     num_cpus: float = 1.0  # CPUs reserved for each engine

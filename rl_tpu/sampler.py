@@ -29,10 +29,16 @@ from rl_tpu.sync import WeightBundle, WeightSyncError, check_names, unpack
 # Set in the actor's environment before vLLM is imported.
 SAMPLER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "TORCHDYNAMO_DISABLE": "1",  # skips a 30 s compile of a logprobs helper on the first call
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+def sampler_env(enforce_eager: bool) -> dict[str, str]:
+    """The variables the engine's process needs; `enforce_eager=False` lets vLLM torch.compile the model."""
+    # an eager engine skips Dynamo altogether, and with it a 30 s compile of a logprobs helper on the first call
+    return {**SAMPLER_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {})}
+
 
 # weight installs run on a thread of their own, beside the one that serves generations (see EngineTurns)
 SAMPLER_CONCURRENCY = {"weights": 1}
@@ -61,7 +67,7 @@ class EngineOptions:
     log_dir: str | None = None  # its output goes to LOG_DIR/sampler_<index>.log
     sleep_mode: bool = False  # CUDA, colocated: release the device while the trainer trains
     gpu_memory_utilization: float | None = None  # None: vLLM's default
-    enforce_eager: bool = True  # false: vLLM captures CUDA graphs (slower start, faster decoding)
+    enforce_eager: bool = True  # false: vLLM compiles the model, and captures CUDA graphs on GPUs (slower start, faster decoding)
     fp32_residual: bool = False  # bf16 on CPU: the residual stream in fp32, as the trainer keeps it
     binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
 
@@ -114,7 +120,7 @@ class Sampler:
         self.name = actor_name("sampler", options.index)
         send_output_to_file(options.log_dir, self.name)
         require_model_on_node(self.name, model_path)
-        for key, value in SAMPLER_ENV.items():
+        for key, value in sampler_env(options.enforce_eager).items():
             os.environ.setdefault(key, value)
         # before vLLM starts: its CPU worker binds nothing in-process, and disables torch.set_num_threads
         options.binding.apply(self.name)
@@ -234,6 +240,12 @@ class Sampler:
     def serving_version(self) -> int:
         return self.version
 
+    def compiled_graphs(self) -> int:
+        """Graphs torch.compile made in this engine's process: none when it runs eagerly."""
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
     def where(self) -> dict:
         return {**where_am_i(), "actor": self.name}
 
@@ -253,8 +265,9 @@ def launch_sampler(model_path: str, dtype: str, max_model_len: int, kv_cache_gb:
 
     `ray_options` are Ray's actor options (resources, placement); by default one CPU.
     """
+    env = {**sampler_env(options.enforce_eager), **options.binding.env()}
     return (
         ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(Sampler)
-        .options(**(ray_options or {"num_cpus": 1}), runtime_env={"env_vars": {**SAMPLER_ENV, **options.binding.env()}})
+        .options(**(ray_options or {"num_cpus": 1}), runtime_env={"env_vars": env})
         .remote(model_path, dtype, max_model_len, kv_cache_gb, seed, options)
     )

@@ -11,7 +11,7 @@ import torch
 
 from rl_tpu import sync
 from rl_tpu.rollout import TrainBatch
-from rl_tpu.sampler import SamplingSettings, launch_sampler
+from rl_tpu.sampler import EngineOptions, SamplingSettings, launch_sampler
 from rl_tpu.logprobs import pad_batch, token_logprobs
 
 PROMPTS = ["Q: What is 12 + 7? A:", "Q: What is 3 - 50? A:", "Q: What is 99 + 99? A:", "Q: What is 0 - 0? A:"]
@@ -104,8 +104,13 @@ def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(
     assert ray.get(running.serving_version.remote()) == 1
     assert [r.completion_ids for r in _generate(ray, running, prompts)] == [r.completion_ids for r in expected]
 
-    # Sampler logprobs (processed, after temperature) match a trainer-style fp32 forward of the same tokens.
-    sampled = _generate(ray, running, prompts, SamplingSettings(n=4, temperature=0.7, max_tokens=12))
+    assert_sampler_logprobs_match_trainer(ray, running, model, prompts)
+    ray.get(running.shutdown.remote())
+
+
+def assert_sampler_logprobs_match_trainer(ray, sampler, model, prompts) -> None:
+    """Sampler logprobs (processed, after temperature) match a trainer-style fp32 forward of the same tokens."""
+    sampled = _generate(ray, sampler, prompts, SamplingSettings(n=4, temperature=0.7, max_tokens=12))
     batch = TrainBatch([r.prompt_ids for r in sampled], [r.completion_ids for r in sampled],
                        [r.logprobs for r in sampled], [[0.0] * len(r.logprobs) for r in sampled], 0.7)
     t = pad_batch(batch, pad_id=1, device=torch.device("cpu"))
@@ -114,7 +119,27 @@ def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(
     mask = t["response_mask"]
     mean_abs = ((log_prob - t["sampler_logprobs"]).abs() * mask).sum() / mask.sum()
     assert mask.sum() > 20 and mean_abs < 1e-5, f"mean |sampler - trainer| logprob = {mean_abs:.2e}"
-    ray.get(running.shutdown.remote())
+
+
+def test_a_compiled_engine_serves_installed_weights_as_an_eager_one(ray_cluster, tiny_model_dir, new_weights,
+                                                                   fresh_engine):
+    """`sampler.enforce_eager=false` on CPU: vLLM torch.compiles the model, and an install still reaches it."""
+    ray = ray_cluster
+    model, folder = new_weights
+    prompts = _prompt_ids(folder)
+    compiled = launch_sampler(str(tiny_model_dir), "float32", 128, 0.25, seed=0,
+                              options=EngineOptions(enforce_eager=False))
+    before = _generate(ray, compiled, prompts)
+    assert ray.get(compiled.compiled_graphs.remote()) > 0
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ray.get(compiled.install.remote(sync.pack(state, version=1, transport=sync.make_transport("object_store"),
+                                              bucket_mb=1.0)))
+    synced, expected = _generate(ray, compiled, prompts), _generate(ray, fresh_engine, prompts)
+    assert [r.completion_ids for r in synced] == [r.completion_ids for r in expected]
+    assert [r.completion_ids for r in synced] != [r.completion_ids for r in before]
+    assert_sampler_logprobs_match_trainer(ray, compiled, model, prompts)
+    assert ray.get(fresh_engine.compiled_graphs.remote()) == 0  # an eager engine compiles nothing
+    ray.get(compiled.shutdown.remote())
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
