@@ -67,7 +67,7 @@ class EngineOptions:
     log_dir: str | None = None  # its output goes to LOG_DIR/sampler_<index>.log
     sleep_mode: bool = False  # CUDA, colocated: release the device while the trainer trains
     gpu_memory_utilization: float | None = None  # None: vLLM's default
-    enforce_eager: bool = True  # false: vLLM compiles the model, and captures CUDA graphs on GPUs (slower start, faster decoding)
+    enforce_eager: bool = True  # false: vLLM compiles the model (and captures CUDA graphs on GPUs): slower start
     fp32_residual: bool = False  # bf16 on CPU: the residual stream in fp32, as the trainer keeps it
     binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
 

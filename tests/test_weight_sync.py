@@ -16,6 +16,7 @@ from rl_tpu.logprobs import pad_batch, token_logprobs
 
 PROMPTS = ["Q: What is 12 + 7? A:", "Q: What is 3 - 50? A:", "Q: What is 99 + 99? A:", "Q: What is 0 - 0? A:"]
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
+CALL_TIMEOUT_S = 600  # each actor call, a compiled engine's first generation included
 TRANSPORTS = ["object_store", "shm_file", "collective"]
 
 
@@ -47,7 +48,7 @@ def _prompt_ids(folder):
 
 
 def _generate(ray, sampler, prompts, settings=GREEDY):
-    return ray.get(sampler.generate.remote(prompts, settings))
+    return ray.get(sampler.generate.remote(prompts, settings), timeout=CALL_TIMEOUT_S)
 
 
 def _corrupt(bundle: sync.WeightBundle, index: int) -> sync.WeightBundle:
@@ -130,16 +131,17 @@ def test_a_compiled_engine_serves_installed_weights_as_an_eager_one(ray_cluster,
     compiled = launch_sampler(str(tiny_model_dir), "float32", 128, 0.25, seed=0,
                               options=EngineOptions(enforce_eager=False))
     before = _generate(ray, compiled, prompts)
-    assert ray.get(compiled.compiled_graphs.remote()) > 0
+    assert ray.get(compiled.compiled_graphs.remote(), timeout=CALL_TIMEOUT_S) > 0
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ray.get(compiled.install.remote(sync.pack(state, version=1, transport=sync.make_transport("object_store"),
-                                              bucket_mb=1.0)))
+    bundle = sync.pack(state, version=1, transport=sync.make_transport("object_store"), bucket_mb=1.0)
+    ray.get(compiled.install.remote(bundle), timeout=CALL_TIMEOUT_S)
     synced, expected = _generate(ray, compiled, prompts), _generate(ray, fresh_engine, prompts)
     assert [r.completion_ids for r in synced] == [r.completion_ids for r in expected]
     assert [r.completion_ids for r in synced] != [r.completion_ids for r in before]
     assert_sampler_logprobs_match_trainer(ray, compiled, model, prompts)
-    assert ray.get(fresh_engine.compiled_graphs.remote()) == 0  # an eager engine compiles nothing
-    ray.get(compiled.shutdown.remote())
+    # an eager engine compiles nothing
+    assert ray.get(fresh_engine.compiled_graphs.remote(), timeout=CALL_TIMEOUT_S) == 0
+    ray.get(compiled.shutdown.remote(), timeout=CALL_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
