@@ -1,25 +1,37 @@
 """The device check: a few GRPO steps on the device this host has, with the figures that tell it works well.
 
-One script, meant to finish in under 5 minutes on a GPU. It runs
+One script, meant to finish in under 5 minutes on a GPU. Its checks (`--checks`, all by default):
 
-1. the tiny recipe (`model=tiny_arith`, fp32) for `--steps` steps on `--device`: the whole loop
-   (placement, FSDP2 ranks, vLLM engine, weight sync) on real hardware, and
-2. unless `--no-real-size`, the real-size benchmark (`benchmarks/real_size.py`: Qwen2.5-0.5B's
-   shape and vocabulary, bf16, GSM8K) at trainer world size 1,
+- `tiny`: the tiny recipe (`model=tiny_arith`, fp32) for `--steps` steps on `--device`: the whole
+  loop (placement, FSDP2 ranks, vLLM engine, weight sync) on real hardware;
+- `real_size`: the real-size benchmark (`benchmarks/real_size.py`: Qwen2.5-0.5B's shape and
+  vocabulary, bf16, GSM8K) at trainer world size 1;
+- `trainer`: the trainer alone, which needs no vLLM and starts no Ray: one FSDP2 rank
+  (`TrainerWorker`, world size 1) of a Qwen2.5-shaped model (`--trainer-shape`, bf16 mixed
+  precision) trains on a synthetic GRPO batch (`--prompts` x `--n` sequences, completions of
+  1 to `--completion-len` tokens), then publishes its weights (shm_file transport), which are
+  fetched back, checksums verified, and compared with the trainer's. Its old-policy logprobs
+  are a plain fp32 Hugging Face forward's, so the first step's `logprob_diff` is the trainer's
+  gap to that reference.
 
-and reports for each: trainer MFU (6 x parameters x trained tokens per second of the train
-step, against the bf16 dense peak of the GPU it finds; on CPU the achieved FLOP/s only),
-generated tokens/s, and weight-sync GB/s next to a device-to-device copy of the same number of
-bytes measured in the same run.
+Each reports trainer MFU (6 x parameters x positions computed per second of the train step,
+against the bf16 dense peak of the GPU it finds; on CPU the achieved FLOP/s only), and
+weight-sync GB/s next to a copy of the same number of bytes measured in the same run (device
+to device; for `trainer`, device to host, the path its weights take); `tiny` and `real_size`
+also generated tokens/s.
 
     python benchmarks/device_check.py --device cuda     # writes benchmarks/results/device_check_cuda.json
-    python benchmarks/device_check.py --device cpu --no-real-size --steps 2    # what the test suite runs
+    python benchmarks/device_check.py --device cuda --checks trainer --trainer-shape 3b
+    python benchmarks/device_check.py --device cpu --checks tiny trainer --trainer-shape tiny --steps 2  # tests
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -32,7 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from rl_tpu import controller  # noqa: E402
 from rl_tpu.config import RunConfig  # noqa: E402
-from rl_tpu.metrics import read_metrics  # noqa: E402
+from rl_tpu.metrics import peak_rss_mb, read_metrics  # noqa: E402
+from rl_tpu.rollout import TrainBatch  # noqa: E402
+
+CHECKS = ("tiny", "real_size", "trainer")
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, by a name
 # fragment of torch.cuda.get_device_name(); the first fragment that matches wins.
@@ -50,22 +65,28 @@ def bf16_peak_tflops(device: str) -> tuple[str, float | None]:
     return name, next((peak for fragment, peak in BF16_PEAK_TFLOPS.items() if fragment in name), None)
 
 
-def copy_gb_per_s(num_bytes: int, device: str, repeats: int = 5) -> float:
-    """A device-to-device copy of `num_bytes` (host memory on CPU): the ceiling a weight sync is compared with."""
+def copy_gb_per_s(num_bytes: int, device: str, to_host: bool = False, repeats: int = 5) -> float:
+    """A copy of `num_bytes` on `device` (to the host's pageable memory with `to_host`): the ceiling a weight
+    sync is compared with."""
     import torch
 
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device="cpu" if to_host else device)
     times = []
     for _ in range(repeats + 1):  # the first warms caches and allocators
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return num_bytes / statistics.median(times[1:]) / 1e9
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def parameter_count(model_path: Path) -> int:
@@ -87,7 +108,7 @@ def figures(run_dir: Path, model_path: Path, device: str, peak_tflops: float | N
         return statistics.median(r[key] for r in measured)
 
     params = parameter_count(model_path)
-    train_flops = 6 * params * median("perf/train_tokens") / median("time/train_s")  # forward 2, backward 4
+    train_flops = 6 * params * median("perf/train_positions") / median("time/train_s")  # forward 2, backward 4
     sync_bytes = median("sync/bytes")
     sync_gb_per_s = sync_bytes / median("time/sync_s") / 1e9
     copy = copy_gb_per_s(int(sync_bytes), device)
@@ -139,13 +160,161 @@ def check_real_size(args, tmp: Path, peak: float | None) -> dict:
             "wall_s": time.perf_counter() - started, **figures(tmp / "real", model, args.device, peak)}
 
 
+def grpo_batch(prompts: int, n: int, prompt_len: int, completion_len: int, vocab: int) -> TrainBatch:
+    """`prompts` groups of `n` sequences: one prompt each, completions of 1 to `completion_len` random tokens,
+    group-normalised 0/1 rewards as advantages (a seeded synthetic batch: the step's cost, not its learning)."""
+    rng = random.Random(0)
+    prompt_ids, completions, advantages = [], [], []
+    for _ in range(prompts):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        rewards = [float(rng.random() < 0.5) for _ in range(n)]
+        mean = sum(rewards) / n
+        std = statistics.pstdev(rewards) or 1.0
+        for reward in rewards:
+            length = rng.randint(1, completion_len)
+            prompt_ids.append(prompt)
+            completions.append([rng.randrange(vocab) for _ in range(length)])
+            advantages.append([(reward - mean) / std] * length)
+    return TrainBatch(prompt_ids, completions, [[0.0] * len(c) for c in completions], advantages, temperature=1.0)
+
+
+def reference_logprobs(model_path: Path, batch: TrainBatch, device: str) -> list[list[float]]:
+    """Each completion token's logprob under a plain fp32 Hugging Face forward of the model folder, one group
+    (shared prompt, completions padded on the right, which later positions cannot change) at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    out = [None] * len(batch)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(batch.prompt_ids):
+        groups.setdefault(tuple(prompt), []).append(i)
+    with torch.no_grad():
+        for prompt, rows in groups.items():
+            width = len(prompt) + max(len(batch.completion_ids[i]) for i in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, i in enumerate(rows):
+                seq = [*prompt, *batch.completion_ids[i]]
+                ids[r, :len(seq)] = torch.tensor(seq)
+            logits = model(ids.to(device)).logits.float() / batch.temperature
+            logprobs = logits[:, len(prompt) - 1:-1].log_softmax(-1).gather(-1, ids[:, len(prompt):, None].to(device))
+            for r, i in enumerate(rows):
+                out[i] = logprobs[r, :len(batch.completion_ids[i]), 0].tolist()
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def trainer_model(shape: str, folder: Path) -> Path:
+    if shape == "tiny":
+        from rl_tpu.config import DataConfig, TinyModelConfig
+        from rl_tpu.models import build_tiny_arith
+
+        build_tiny_arith(TinyModelConfig(warm_start_steps=0), DataConfig(), folder)
+        return folder
+    from real_size import build_model_in_subprocess
+
+    return build_model_in_subprocess(folder, shape)
+
+
+def check_trainer(args, tmp: Path, peak: float | None) -> dict:
+    import torch
+
+    from logprob_gap import free_port
+
+    from rl_tpu import sync
+    from rl_tpu.trainer import TrainerWorker
+
+    model_path = trainer_model(args.trainer_shape, tmp / f"trainer-{args.trainer_shape}")
+    vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    batch = grpo_batch(args.prompts, args.n, args.prompt_len, args.completion_len, vocab)
+    batch = dataclasses.replace(batch, sampler_logprobs=reference_logprobs(model_path, batch, args.device))
+    cfg = RunConfig()
+    cfg.device, cfg.model.dtype = args.device, "float32" if args.trainer_shape == "tiny" else "bfloat16"
+    cfg.trainer.micro_batch_size, cfg.trainer.compile = args.micro_batch_size, args.compile
+    cfg.sync.transport = "shm_file"  # into sync.shm_dir (/dev/shm: memory, as a disk would be the figure)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    worker = TrainerWorker(cfg, str(model_path), 0, 1, "127.0.0.1", free_port())
+    try:
+        steps = [worker.train_step(batch) for _ in range(args.steps)]
+        profile = profiled_step(worker, batch, args.device) if args.profile else None
+        start = time.perf_counter()
+        bundle = worker.publish_weights(version=1)
+        publish_s = time.perf_counter() - start
+        start = time.perf_counter()
+        fetched, _ = sync.unpack(bundle)  # every bucket's checksum is verified before anything is returned
+        fetch_s = time.perf_counter() - start
+        trained = worker.full_state_dict()
+        mismatched = [name for name, tensor in fetched if not torch.equal(tensor, trained[name].to(tensor.dtype))]
+    finally:
+        worker.shutdown()
+    measured = steps[1:] or steps
+    train_s = statistics.median(r["time/train_s"] for r in measured)
+    positions = statistics.median(r["perf/train_positions"] for r in measured)
+    train_flops = 6 * parameter_count(model_path) * positions / train_s
+    sync_bytes = sum(tensor.nbytes for _, tensor in fetched)
+    copy = copy_gb_per_s(sync_bytes, args.device, to_host=True)
+    # what torch allocated on the GPU; on the CPU this process's peak resident memory (the reference model's too)
+    memory = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else peak_rss_mb() / 2**10
+    return {
+        "workload": f"{args.trainer_shape} shape, {cfg.model.dtype}, {args.prompts} prompts x {args.n} sequences, "
+                    f"prompts of {args.prompt_len} and completions of 1-{args.completion_len} tokens, "
+                    f"micro-batches of {args.micro_batch_size}, compile={args.compile}, world size 1",
+        "parameters": parameter_count(model_path), "steps_measured": len(measured),
+        "step_s": train_s, "train_s_each_step": [r["time/train_s"] for r in steps],
+        "train_tflops_per_s": train_flops / 1e12, "mfu": train_flops / 1e12 / peak if peak else None,
+        "train_positions": positions, "padding_frac": measured[0]["perf/padding_frac"],
+        "train_tokens_per_s": positions / train_s,
+        "peak_memory_gib": memory, "logprob_diff_first_step": steps[0]["actor/logprob_diff"],
+        "loss": [r["actor/loss"] for r in steps], "grad_norm": [r["actor/grad_norm"] for r in steps],
+        "sync_bytes": sync_bytes, "publish_s": publish_s, "fetch_verify_s": fetch_s,
+        "sync_gb_per_s": sync_bytes / publish_s / 1e9, "device_to_host_copy_gb_per_s": copy,
+        "sync_vs_copy": sync_bytes / publish_s / 1e9 / copy,
+        "tensors_fetched": len(fetched), "tensors_mismatched": mismatched, "profile": profile,
+    }
+
+
+def profiled_step(worker, batch: TrainBatch, device: str) -> dict:
+    """One more train step under torch.profiler: its wall time, the seconds the device (on CPU: the host's
+    operators) was busy, and the operators that took most of that, by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = worker.train_step(batch)["time/train_s"]
+    events = prof.key_averages()
+    busy = (lambda e: e.self_device_time_total) if device == "cuda" else (lambda e: e.self_cpu_time_total)
+    top = sorted(events, key=busy, reverse=True)[:25]
+    return {"train_s": wall, "busy_s": sum(map(busy, events)) / 1e6,
+            "top_ops": [{"op": e.key, "self_s": busy(e) / 1e6, "calls": e.count} for e in top]}
+
+
+def report(label: str, check: dict, peak: float | None) -> None:
+    mfu = f"MFU {100 * check['mfu']:.1f}% of {peak:g} TFLOP/s" if check["mfu"] is not None else "MFU n/a"
+    generated = f", {check['gen_tokens_per_s']:.0f} generated tokens/s" if "gen_tokens_per_s" in check else ""
+    copy = check.get("device_copy_gb_per_s", check.get("device_to_host_copy_gb_per_s"))
+    print(f"{label}: {check['train_tflops_per_s']:.3f} TFLOP/s in training ({mfu}){generated}, weight sync "
+          f"{check['sync_gb_per_s']:.2f} GB/s vs a copy {copy:.1f} GB/s; {check['step_s']:.2f} s/step")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warm-start-steps", type=int, default=0, help="the tiny model's supervised warm start")
-    parser.add_argument("--no-real-size", dest="real_size", action="store_false")
     parser.add_argument("--gsm8k", type=Path, default=REPO.parent / "shared" / "data" / "gsm8k")
+    trainer = parser.add_argument_group("the trainer check")
+    trainer.add_argument("--trainer-shape", choices=["tiny", "0.5b", "3b"], default="0.5b")
+    trainer.add_argument("--prompts", type=int, default=32)
+    trainer.add_argument("--n", type=int, default=8, help="sequences a prompt")
+    trainer.add_argument("--prompt-len", type=int, default=128)
+    trainer.add_argument("--completion-len", type=int, default=512)
+    trainer.add_argument("--micro-batch-size", type=int, default=16)
+    trainer.add_argument("--compile", action="store_true", help="trainer.compile")
+    trainer.add_argument("--profile", action="store_true", help="profile one more step: where its time goes")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out = args.out or REPO / "benchmarks" / "results" / f"device_check_{args.device}.json"
@@ -153,16 +322,12 @@ def main(argv: list[str] | None = None) -> dict:
     name, peak = bf16_peak_tflops(args.device)
     checks = {}
     with tempfile.TemporaryDirectory() as tmp:
-        checks["tiny"] = check_tiny(args, Path(tmp), peak)
-        if args.real_size:
-            checks["real_size"] = check_real_size(args, Path(tmp), peak)
-    for label, check in checks.items():
-        mfu = f"MFU {100 * check['mfu']:.1f}% of {peak:g} TFLOP/s" if check["mfu"] is not None else "MFU n/a"
-        print(f"{label}: {check['train_tflops_per_s']:.3f} TFLOP/s in training ({mfu}), "
-              f"{check['gen_tokens_per_s']:.0f} generated tokens/s, weight sync {check['sync_gb_per_s']:.2f} GB/s "
-              f"vs a device copy {check['device_copy_gb_per_s']:.1f} GB/s; {check['step_s']:.2f} s/step, "
-              f"logprob gap {check['logprob_diff']:.1e}")
-    return write_record(out, load_before, device=args.device, accelerator=name, bf16_peak_tflops=peak, checks=checks)
+        for label, check in (("tiny", check_tiny), ("real_size", check_real_size), ("trainer", check_trainer)):
+            if label in args.checks:
+                checks[label] = check(args, Path(tmp), peak)
+                report(label, checks[label], peak)
+    return write_record(out, load_before, device=args.device, accelerator=name, bf16_peak_tflops=peak,
+                        args={k: str(v) for k, v in vars(args).items()}, checks=checks)
 
 
 if __name__ == "__main__":

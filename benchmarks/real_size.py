@@ -41,16 +41,25 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_model_in_subprocess(folder: Path) -> Path:
+# Qwen2.5 shapes (their config.json files); all tie the LM head to the embeddings
+QWEN_SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864),
+    "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+               intermediate_size=11008),
+}
+
+
+def build_model_in_subprocess(folder: Path, shape: str = "0.5b") -> Path:
     """Build in a child process, so that the driver does not keep the memory of a full model it never uses."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(build_model, (folder,))
+        return pool.apply(build_model, (folder, shape))
 
 
-def build_model(folder: Path) -> Path:
-    """The Qwen2.5-0.5B-shaped model (bf16 on disk) and a tokenizer of Qwen's vocabulary size."""
+def build_model(folder: Path, shape: str = "0.5b") -> Path:
+    """A Qwen2.5-shaped model (`QWEN_SHAPES`, bf16 on disk) and a tokenizer of Qwen's vocabulary size."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -60,11 +69,11 @@ def build_model(folder: Path) -> Path:
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.add_tokens([f"<|extra_{i}|>" for i in range(QWEN_VOCAB - len(tokenizer))])
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=2048,
+    config = Qwen2Config(vocab_size=len(tokenizer), **QWEN_SHAPES[shape], max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=1)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a GPU host initialises on the GPU
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -166,7 +166,7 @@ class ShmFileTransport(Transport):
             self._drop_versions_before(version - 1)  # the previous version stays until this one is installed
             folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"bucket{index:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in named.items()}, str(path))
+        save_file(_unshared(named), str(path))
         return str(path)
 
     @staticmethod
@@ -188,6 +188,18 @@ class ShmFileTransport(Transport):
         for folder in self.root.glob("v*"):
             if int(folder.name[1:]) < version:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _unshared(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with storages of their own, as safetensors requires: a tied head that an fp32 CPU
+    trainer serves is the embedding tensor itself under a second name."""
+    seen, out = set(), {}
+    for name, tensor in named.items():
+        tensor = tensor.contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
 
 
 class CollectiveTransport(Transport):

@@ -256,6 +256,7 @@ class TrainerWorker:
         rss = torch.zeros(self.world_size, dtype=torch.float64)
         rss[self.rank] = peak_rss_mb()
         totals = torch.cat([torch.tensor([sums[k] for k in keys], dtype=torch.float64), rss])
+        totals = totals.to(self.device.torch_device)  # NCCL reduces device tensors only
         dist.all_reduce(totals)
         total = dict(zip(keys, totals[: len(keys)].tolist()))
         rank_rss = totals[len(keys):].tolist()

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.e2e
 def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
     out = tmp_path / "device_check.json"
     result = subprocess.run([sys.executable, "benchmarks/device_check.py", "--device", "cpu", "--steps", "2",
-                             "--no-real-size", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             "--checks", "tiny", "trainer", "--trainer-shape", "tiny", "--prompts", "4", "--n", "4",
+                             "--prompt-len", "16", "--completion-len", "24", "--micro-batch-size", "8", "--profile",
+                             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     record = json.loads(out.read_text())
     assert record["device"] == "cpu" and record["bf16_peak_tflops"] is None and len(record["load_average_before"]) == 3
@@ -28,3 +30,16 @@ def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
     assert 0 < tiny["sync_gb_per_s"] and 0 < tiny["device_copy_gb_per_s"] and tiny["sync_vs_copy"] > 0
     assert tiny["logprob_diff"] < 1e-5
     assert "tiny:" in result.stdout and "generated tokens/s" in result.stdout
+
+    trainer = record["checks"]["trainer"]  # the trainer alone (no vLLM, no Ray), fp32 on the tiny model
+    assert trainer["parameters"] == 3_217_152 and trainer["steps_measured"] == 1
+    assert trainer["logprob_diff_first_step"] < 1e-5  # against a plain fp32 Hugging Face forward
+    # 16 sequences of 16 prompt and 1-24 completion tokens, each group's prompt once per micro-batch
+    assert 16 + 16 < trainer["train_positions"] < 16 * (16 + 24)
+    assert trainer["grad_norm"][0] > 0 and trainer["grad_norm"][0] != trainer["grad_norm"][1]  # the weights moved
+    # every published tensor came back with its checksum verified and equals the trainer's
+    assert trainer["tensors_fetched"] == 47 and trainer["tensors_mismatched"] == []
+    assert trainer["parameters"] * 4 < trainer["sync_bytes"] < trainer["parameters"] * 4 * 1.05
+    profile = trainer["profile"]
+    assert 0 < profile["busy_s"] and any(op["op"] == "aten::mm" for op in profile["top_ops"])
+    assert "trainer:" in result.stdout

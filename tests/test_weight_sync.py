@@ -148,8 +148,9 @@ def test_a_compiled_engine_serves_installed_weights_as_an_eager_one(ray_cluster,
 def test_pack_unpack_is_bit_exact_for_any_dtype(ray_cluster, transport, tmp_path):
     state = {"a": torch.randn(300, 500), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4),
              "d": torch.randn(64, 64)}
+    state["tied"] = state["d"]  # one tensor under two names, as an fp32 CPU trainer serves a tied head
     bundle = sync.pack(state, version=3, transport=sync.make_transport(transport, str(tmp_path)), bucket_mb=0.1)
-    assert [len(b.specs) for b in bundle.buckets] == [1, 3]  # "a" (600 kB) alone, then the rest
+    assert [len(b.specs) for b in bundle.buckets] == [1, 4]  # "a" (600 kB) alone, then the rest
     tensors, _ = sync.unpack(bundle)
     assert [n for n, _ in tensors] == list(state)
     for name, tensor in tensors:
