@@ -43,7 +43,7 @@ from record import write_record  # beside this script
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from rl_tpu import controller  # noqa: E402
-from rl_tpu.config import RunConfig  # noqa: E402
+from rl_tpu.config import RunConfig, value_of  # noqa: E402
 from rl_tpu.metrics import peak_rss_mb, read_metrics  # noqa: E402
 from rl_tpu.rollout import TrainBatch  # noqa: E402
 
@@ -220,6 +220,7 @@ def trainer_model(shape: str, folder: Path) -> Path:
 
 def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     import torch
+    from omegaconf import OmegaConf
 
     from logprob_gap import free_port
 
@@ -234,12 +235,17 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     cfg.device, cfg.model.dtype = args.device, "float32" if args.trainer_shape == "tiny" else "bfloat16"
     cfg.trainer.micro_batch_size, cfg.trainer.compile = args.micro_batch_size, args.compile
     cfg.sync.transport = "shm_file"  # into sync.shm_dir (/dev/shm: memory, as a disk would be the figure)
+    cfg = with_settings(cfg, args.set)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     worker = TrainerWorker(cfg, str(model_path), 0, 1, "127.0.0.1", free_port())
     try:
         steps = [worker.train_step(batch) for _ in range(args.steps)]
         profile = profiled_step(worker, batch, args.device) if args.profile else None
+        start = time.perf_counter()
+        for _ in worker.served_buckets():  # gathered, cast and on the host: what publishing starts from
+            pass
+        gather_s = time.perf_counter() - start
         start = time.perf_counter()
         bundle = worker.publish_weights(version=1)
         publish_s = time.perf_counter() - start
@@ -259,9 +265,11 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     # what torch allocated on the GPU; on the CPU this process's peak resident memory (the reference model's too)
     memory = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else peak_rss_mb() / 2**10
     return {
-        "workload": f"{args.trainer_shape} shape, {cfg.model.dtype}, {args.prompts} prompts x {args.n} sequences, "
+        "workload": f"{args.trainer_shape} shape, {value_of(cfg.model.dtype)}, {args.prompts} prompts x {args.n} sequences, "
                     f"prompts of {args.prompt_len} and completions of 1-{args.completion_len} tokens, "
-                    f"micro-batches of {args.micro_batch_size}, compile={args.compile}, world size 1",
+                    f"micro-batches of {args.micro_batch_size}, compile={args.compile}, world size 1"
+                    + "".join(f", {setting}" for setting in args.set),
+        "trainer_settings": OmegaConf.to_container(OmegaConf.structured(cfg.trainer), enum_to_str=True),
         "parameters": parameter_count(model_path), "steps_measured": len(measured),
         "step_s": train_s, "train_s_each_step": [r["time/train_s"] for r in steps],
         "train_tflops_per_s": train_flops / 1e12, "mfu": train_flops / 1e12 / peak if peak else None,
@@ -269,11 +277,19 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
         "train_tokens_per_s": positions / train_s,
         "peak_memory_gib": memory, "logprob_diff_first_step": steps[0]["actor/logprob_diff"],
         "loss": [r["actor/loss"] for r in steps], "grad_norm": [r["actor/grad_norm"] for r in steps],
-        "sync_bytes": sync_bytes, "publish_s": publish_s, "fetch_verify_s": fetch_s,
+        "sync_bytes": sync_bytes, "gather_to_host_s": gather_s, "publish_s": publish_s,
+        "fetch_verify_s": fetch_s,
         "sync_gb_per_s": sync_bytes / publish_s / 1e9, "device_to_host_copy_gb_per_s": copy,
         "sync_vs_copy": sync_bytes / publish_s / 1e9 / copy,
         "tensors_fetched": len(fetched), "tensors_mismatched": mismatched, "profile": profile,
     }
+
+
+def with_settings(cfg: RunConfig, settings: list[str]) -> RunConfig:
+    """`cfg` with `key=value` settings as the command line takes them (trainer.logprob_chunk_size=512)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(settings)))
 
 
 def profiled_step(worker, batch: TrainBatch, device: str) -> dict:
@@ -315,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.add_argument("--micro-batch-size", type=int, default=16)
     trainer.add_argument("--compile", action="store_true", help="trainer.compile")
     trainer.add_argument("--profile", action="store_true", help="profile one more step: where its time goes")
+    trainer.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                         help="run settings over the check's own, e.g. trainer.logprob_chunk_size=512")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out = args.out or REPO / "benchmarks" / "results" / f"device_check_{args.device}.json"

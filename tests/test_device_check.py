@@ -18,6 +18,7 @@ def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
     result = subprocess.run([sys.executable, "benchmarks/device_check.py", "--device", "cpu", "--steps", "2",
                              "--checks", "tiny", "trainer", "--trainer-shape", "tiny", "--prompts", "4", "--n", "4",
                              "--prompt-len", "16", "--completion-len", "24", "--micro-batch-size", "8", "--profile",
+                             "--set", "trainer.logprob_chunk_size=16",
                              "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     record = json.loads(out.read_text())
@@ -33,6 +34,9 @@ def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
 
     trainer = record["checks"]["trainer"]  # the trainer alone (no vLLM, no Ray), fp32 on the tiny model
     assert trainer["parameters"] == 3_217_152 and trainer["steps_measured"] == 1
+    assert trainer["workload"].startswith("tiny shape, float32,")
+    assert "trainer.logprob_chunk_size=16" in trainer["workload"]  # a --set setting, applied to the run's config:
+    assert trainer["trainer_settings"]["logprob_chunk_size"] == 16 and trainer["trainer_settings"]["micro_batch_size"] == 8
     assert trainer["logprob_diff_first_step"] < 1e-5  # against a plain fp32 Hugging Face forward
     # 16 sequences of 16 prompt and 1-24 completion tokens, each group's prompt once per micro-batch
     assert 16 + 16 < trainer["train_positions"] < 16 * (16 + 24)
@@ -40,6 +44,7 @@ def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
     # every published tensor came back with its checksum verified and equals the trainer's
     assert trainer["tensors_fetched"] == 47 and trainer["tensors_mismatched"] == []
     assert trainer["parameters"] * 4 < trainer["sync_bytes"] < trainer["parameters"] * 4 * 1.05
+    assert 0 < trainer["gather_to_host_s"] and 0 < trainer["publish_s"]
     profile = trainer["profile"]
     assert 0 < profile["busy_s"] and any(op["op"] == "aten::mm" for op in profile["top_ops"])
     assert "trainer:" in result.stdout
