@@ -265,7 +265,8 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     # what torch allocated on the GPU; on the CPU this process's peak resident memory (the reference model's too)
     memory = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else peak_rss_mb() / 2**10
     return {
-        "workload": f"{args.trainer_shape} shape, {value_of(cfg.model.dtype)}, {args.prompts} prompts x {args.n} sequences, "
+        "workload": f"{args.trainer_shape} shape, {value_of(cfg.model.dtype)}, "
+                    f"{args.prompts} prompts x {args.n} sequences, "
                     f"prompts of {args.prompt_len} and completions of 1-{args.completion_len} tokens, "
                     f"micro-batches of {args.micro_batch_size}, compile={args.compile}, world size 1"
                     + "".join(f", {setting}" for setting in args.set),

@@ -36,7 +36,8 @@ def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
     assert trainer["parameters"] == 3_217_152 and trainer["steps_measured"] == 1
     assert trainer["workload"].startswith("tiny shape, float32,")
     assert "trainer.logprob_chunk_size=16" in trainer["workload"]  # a --set setting, applied to the run's config:
-    assert trainer["trainer_settings"]["logprob_chunk_size"] == 16 and trainer["trainer_settings"]["micro_batch_size"] == 8
+    settings = trainer["trainer_settings"]
+    assert settings["logprob_chunk_size"] == 16 and settings["micro_batch_size"] == 8
     assert trainer["logprob_diff_first_step"] < 1e-5  # against a plain fp32 Hugging Face forward
     # 16 sequences of 16 prompt and 1-24 completion tokens, each group's prompt once per micro-batch
     assert 16 + 16 < trainer["train_positions"] < 16 * (16 + 24)
