@@ -6,13 +6,13 @@ One script, meant to finish in under 5 minutes on a GPU. Its checks (`--checks`,
   loop (placement, FSDP2 ranks, vLLM engine, weight sync) on real hardware;
 - `real_size`: the real-size benchmark (`benchmarks/real_size.py`: Qwen2.5-0.5B's shape and
   vocabulary, bf16, GSM8K) at trainer world size 1;
-- `trainer`: the trainer alone, which needs no vLLM and starts no Ray: one FSDP2 rank
-  (`TrainerWorker`, world size 1) of a Qwen2.5-shaped model (`--trainer-shape`, bf16 mixed
-  precision) trains on a synthetic GRPO batch (`--prompts` x `--n` sequences, completions of
-  1 to `--completion-len` tokens), then publishes its weights (shm_file transport), which are
-  fetched back, checksums verified, and compared with the trainer's. Its old-policy logprobs
-  are a plain fp32 Hugging Face forward's, so the first step's `logprob_diff` is the trainer's
-  gap to that reference.
+- `trainer`: the trainer alone, which needs no vLLM: one FSDP2 rank (`TrainerWorker`, world
+  size 1) of a Qwen2.5-shaped model (`--trainer-shape`, bf16 mixed precision) trains on a
+  synthetic GRPO batch (`--prompts` x `--n` sequences, completions of 1 to `--completion-len`
+  tokens), then publishes its weights through each of `--transports` (shm_file, object_store:
+  a local Ray), fetches them back with every checksum verified, and compares them with the
+  trainer's. Its old-policy logprobs are a plain fp32 Hugging Face forward's, so the first
+  step's `logprob_diff` is the trainer's gap to that reference.
 
 Each reports trainer MFU (6 x parameters x positions computed per second of the train step,
 against the bf16 dense peak of the GPU it finds; on CPU the achieved FLOP/s only), and
@@ -224,7 +224,6 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
 
     from logprob_gap import free_port
 
-    from rl_tpu import sync
     from rl_tpu.trainer import TrainerWorker
 
     model_path = trainer_model(args.trainer_shape, tmp / f"trainer-{args.trainer_shape}")
@@ -234,7 +233,6 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     cfg = RunConfig()
     cfg.device, cfg.model.dtype = args.device, "float32" if args.trainer_shape == "tiny" else "bfloat16"
     cfg.trainer.micro_batch_size, cfg.trainer.compile = args.micro_batch_size, args.compile
-    cfg.sync.transport = "shm_file"  # into sync.shm_dir (/dev/shm: memory, as a disk would be the figure)
     cfg = with_settings(cfg, args.set)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -246,22 +244,16 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
         for _ in worker.served_buckets():  # gathered, cast and on the host: what publishing starts from
             pass
         gather_s = time.perf_counter() - start
-        start = time.perf_counter()
-        bundle = worker.publish_weights(version=1)
-        publish_s = time.perf_counter() - start
-        start = time.perf_counter()
-        fetched, _ = sync.unpack(bundle)  # every bucket's checksum is verified before anything is returned
-        fetch_s = time.perf_counter() - start
         trained = worker.full_state_dict()
-        mismatched = [name for name, tensor in fetched if not torch.equal(tensor, trained[name].to(tensor.dtype))]
+        publish = {name: publish_and_fetch(worker, trained, name, cfg.sync.shm_dir) for name in args.transports}
     finally:
         worker.shutdown()
     measured = steps[1:] or steps
     train_s = statistics.median(r["time/train_s"] for r in measured)
     positions = statistics.median(r["perf/train_positions"] for r in measured)
     train_flops = 6 * parameter_count(model_path) * positions / train_s
-    sync_bytes = sum(tensor.nbytes for _, tensor in fetched)
-    copy = copy_gb_per_s(sync_bytes, args.device, to_host=True)
+    first = publish[args.transports[0]]
+    copy = copy_gb_per_s(first["bytes"], args.device, to_host=True)
     # what torch allocated on the GPU; on the CPU this process's peak resident memory (the reference model's too)
     memory = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else peak_rss_mb() / 2**10
     return {
@@ -278,12 +270,39 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
         "train_tokens_per_s": positions / train_s,
         "peak_memory_gib": memory, "logprob_diff_first_step": steps[0]["actor/logprob_diff"],
         "loss": [r["actor/loss"] for r in steps], "grad_norm": [r["actor/grad_norm"] for r in steps],
-        "sync_bytes": sync_bytes, "gather_to_host_s": gather_s, "publish_s": publish_s,
-        "fetch_verify_s": fetch_s,
-        "sync_gb_per_s": sync_bytes / publish_s / 1e9, "device_to_host_copy_gb_per_s": copy,
-        "sync_vs_copy": sync_bytes / publish_s / 1e9 / copy,
-        "tensors_fetched": len(fetched), "tensors_mismatched": mismatched, "profile": profile,
+        "sync_bytes": first["bytes"], "gather_to_host_s": gather_s, "sync_gb_per_s": first["gb_per_s"],
+        "device_to_host_copy_gb_per_s": copy, "sync_vs_copy": first["gb_per_s"] / copy, "publish": publish,
+        "profile": profile,
     }
+
+
+def publish_and_fetch(worker, trained: dict, transport_name: str, shm_dir: str) -> dict:
+    """The worker's weights published through one transport and fetched back (every bucket's checksum is
+    verified before anything is returned), each tensor compared with the trainer's."""
+    import ray
+    import torch
+
+    from rl_tpu import sync
+
+    if transport_name == "object_store":
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=2 * sum(t.nbytes for t in trained.values()) + 2**28)
+    transport = sync.make_transport(transport_name, shm_dir)
+    try:
+        start = time.perf_counter()
+        bundle = sync.pack_buckets(worker.served_buckets(), version=1, transport=transport)
+        publish_s = time.perf_counter() - start
+        start = time.perf_counter()
+        fetched, _ = sync.unpack(bundle)
+        fetch_s = time.perf_counter() - start
+        mismatched = [name for name, tensor in fetched if not torch.equal(tensor, trained[name].to(tensor.dtype))]
+        num_bytes = sum(tensor.nbytes for _, tensor in fetched)
+    finally:
+        transport.close()
+        if ray.is_initialized():
+            ray.shutdown()
+    return {"bytes": num_bytes, "publish_s": publish_s, "gb_per_s": num_bytes / publish_s / 1e9,
+            "fetch_verify_s": fetch_s, "tensors": len(fetched), "mismatched": mismatched}
 
 
 def with_settings(cfg: RunConfig, settings: list[str]) -> RunConfig:
@@ -332,6 +351,9 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.add_argument("--micro-batch-size", type=int, default=16)
     trainer.add_argument("--compile", action="store_true", help="trainer.compile")
     trainer.add_argument("--profile", action="store_true", help="profile one more step: where its time goes")
+    trainer.add_argument("--transports", nargs="+", choices=["shm_file", "object_store"],
+                         default=["shm_file", "object_store"],
+                         help="publish and fetch through each (the first is the figure printed)")
     trainer.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                          help="run settings over the check's own, e.g. trainer.logprob_chunk_size=512")
     parser.add_argument("--out", type=Path)

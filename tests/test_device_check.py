@@ -43,9 +43,12 @@ def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
     assert 16 + 16 < trainer["train_positions"] < 16 * (16 + 24)
     assert trainer["grad_norm"][0] > 0 and trainer["grad_norm"][0] != trainer["grad_norm"][1]  # the weights moved
     # every published tensor came back with its checksum verified and equals the trainer's
-    assert trainer["tensors_fetched"] == 47 and trainer["tensors_mismatched"] == []
-    assert trainer["parameters"] * 4 < trainer["sync_bytes"] < trainer["parameters"] * 4 * 1.05
-    assert 0 < trainer["gather_to_host_s"] and 0 < trainer["publish_s"]
+    assert list(trainer["publish"]) == ["shm_file", "object_store"]
+    for transport in trainer["publish"].values():
+        assert transport["tensors"] == 47 and transport["mismatched"] == []
+        assert trainer["parameters"] * 4 < transport["bytes"] < trainer["parameters"] * 4 * 1.05
+        assert 0 < transport["publish_s"] and 0 < transport["fetch_verify_s"]
+    assert trainer["sync_gb_per_s"] == trainer["publish"]["shm_file"]["gb_per_s"] and trainer["gather_to_host_s"] > 0
     profile = trainer["profile"]
     assert 0 < profile["busy_s"] and any(op["op"] == "aten::mm" for op in profile["top_ops"])
     assert "trainer:" in result.stdout
