@@ -83,7 +83,10 @@ def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 
 def checksum(specs: tuple[TensorSpec, ...], buffers: list[np.ndarray]) -> str:
-    hasher = blake3.blake3()
+    # on every core this process may use now: a 1 GB bf16 bundle's pack and verified fetch through the object
+    # store took 0.71 s instead of 0.99 on 2 cores (results/weight_sync_hash_threads.json)
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else blake3.blake3.AUTO
+    hasher = blake3.blake3(max_threads=threads)
     for spec, buf in zip(specs, buffers, strict=True):
         hasher.update(f"{spec.name}|{spec.dtype}|{spec.shape}|".encode())
         hasher.update(buf)
