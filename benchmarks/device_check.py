@@ -47,8 +47,6 @@ from rl_tpu.config import RunConfig, value_of  # noqa: E402
 from rl_tpu.metrics import peak_rss_mb, read_metrics  # noqa: E402
 from rl_tpu.rollout import TrainBatch  # noqa: E402
 
-CHECKS = ("tiny", "real_size", "trainer")
-
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, by a name
 # fragment of torch.cuda.get_device_name(); the first fragment that matches wins.
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0,
@@ -70,23 +68,18 @@ def copy_gb_per_s(num_bytes: int, device: str, to_host: bool = False, repeats: i
     sync is compared with."""
     import torch
 
+    from rl_tpu.device import Device
+
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty(num_bytes, dtype=torch.uint8, device="cpu" if to_host else device)
     times = []
     for _ in range(repeats + 1):  # the first warms caches and allocators
-        synchronize(device)
+        Device(device).synchronize()
         start = time.perf_counter()
         dst.copy_(src)
-        synchronize(device)
+        Device(device).synchronize()
         times.append(time.perf_counter() - start)
     return num_bytes / statistics.median(times[1:]) / 1e9
-
-
-def synchronize(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def parameter_count(model_path: Path) -> int:
@@ -251,7 +244,8 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     measured = steps[1:] or steps
     train_s = statistics.median(r["time/train_s"] for r in measured)
     positions = statistics.median(r["perf/train_positions"] for r in measured)
-    train_flops = 6 * parameter_count(model_path) * positions / train_s
+    params = parameter_count(model_path)
+    train_flops = 6 * params * positions / train_s
     first = publish[args.transports[0]]
     copy = copy_gb_per_s(first["bytes"], args.device, to_host=True)
     # what torch allocated on the GPU; on the CPU this process's peak resident memory (the reference model's too)
@@ -263,7 +257,7 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
                     f"micro-batches of {args.micro_batch_size}, compile={args.compile}, world size 1"
                     + "".join(f", {setting}" for setting in args.set),
         "trainer_settings": OmegaConf.to_container(OmegaConf.structured(cfg.trainer), enum_to_str=True),
-        "parameters": parameter_count(model_path), "steps_measured": len(measured),
+        "parameters": params, "steps_measured": len(measured),
         "step_s": train_s, "train_s_each_step": [r["time/train_s"] for r in steps],
         "train_tflops_per_s": train_flops / 1e12, "mfu": train_flops / 1e12 / peak if peak else None,
         "train_positions": positions, "padding_frac": measured[0]["perf/padding_frac"],
@@ -335,6 +329,9 @@ def report(label: str, check: dict, peak: float | None) -> None:
           f"{check['sync_gb_per_s']:.2f} GB/s vs a copy {copy:.1f} GB/s; {check['step_s']:.2f} s/step")
 
 
+CHECKS = {"tiny": check_tiny, "real_size": check_real_size, "trainer": check_trainer}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -363,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     name, peak = bf16_peak_tflops(args.device)
     checks = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, check in (("tiny", check_tiny), ("real_size", check_real_size), ("trainer", check_trainer)):
+        for label, check in CHECKS.items():  # in this order, whatever the order asked
             if label in args.checks:
                 checks[label] = check(args, Path(tmp), peak)
                 report(label, checks[label], peak)

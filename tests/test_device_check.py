@@ -32,7 +32,7 @@ def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
     assert tiny["logprob_diff"] < 1e-5
     assert "tiny:" in result.stdout and "generated tokens/s" in result.stdout
 
-    trainer = record["checks"]["trainer"]  # the trainer alone (no vLLM, no Ray), fp32 on the tiny model
+    trainer = record["checks"]["trainer"]  # the trainer alone (no vLLM; Ray for the object store), fp32, tiny model
     assert trainer["parameters"] == 3_217_152 and trainer["steps_measured"] == 1
     assert trainer["workload"].startswith("tiny shape, float32,")
     assert "trainer.logprob_chunk_size=16" in trainer["workload"]  # a --set setting, applied to the run's config:
