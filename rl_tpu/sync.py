@@ -148,11 +148,18 @@ class ObjectStoreTransport(Transport):
 
         return [ray.put(buffers)]  # freed by Ray's reference counting once the last bundle is dropped
 
-    @staticmethod
-    def get(bucket: Bucket, receiver: int = 0) -> list[np.ndarray]:
-        import ray
+    timeout_s = 300.0  # a bucket whose sender's node is gone must fail the install, not hang the engine
 
-        return ray.get(bucket.handle[0])
+    @classmethod
+    def get(cls, bucket: Bucket, receiver: int = 0) -> list[np.ndarray]:
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return ray.get(bucket.handle[0], timeout=cls.timeout_s)
+        except GetTimeoutError as err:
+            raise WeightSyncError(f"bucket {bucket.index} did not come through the object store within "
+                                  f"{cls.timeout_s:g} s; nothing was installed") from err
 
 
 class ShmFileTransport(Transport):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -119,7 +120,16 @@ def actor_pid(run_dir, actor: str) -> int:
 
 @pytest.fixture(scope="session")
 def six_step_run(tmp_path_factory) -> Path:
-    """An uninterrupted 6-step run: the reference that resumed, restarted and recovered runs must equal."""
-    root = tmp_path_factory.mktemp("whole")
-    run_cli(root / "run", root / "cache", "trainer.total_steps=6")
+    """An uninterrupted 6-step run: the reference that resumed, restarted and recovered runs must equal.
+
+    Made once per session: the xdist workers share the session's folder, and the first to need the run makes it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "whole"
+    with FileLock(f"{root}.lock", timeout=900):  # the other worker's run_cli has 600 s
+        if not (root / "made").exists():
+            shutil.rmtree(root, ignore_errors=True)  # what a failed attempt left
+            run_cli(root / "run", root / "cache", "trainer.total_steps=6")
+            (root / "made").touch()
     return root / "run"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,21 @@ def test_pack_unpack_is_bit_exact_for_any_dtype(ray_cluster, transport, tmp_path
     assert [n for n, _ in tensors] == list(state)
     for name, tensor in tensors:
         assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name])
+
+
+def test_a_bucket_that_never_arrives_fails_the_fetch_within_its_deadline(ray_cluster, monkeypatch):
+    @ray_cluster.remote
+    def never_sent():
+        time.sleep(60)
+
+    monkeypatch.setattr(sync.ObjectStoreTransport, "timeout_s", 0.5)
+    pending = never_sent.remote()
+    bucket = sync.Bucket((sync.TensorSpec("w", "float32", (1,)),), "", [pending], 2)
+    started = time.monotonic()
+    with pytest.raises(sync.WeightSyncError, match="bucket 2 did not come through the object store within 0.5 s"):
+        sync.unpack(sync.WeightBundle(5, "object_store", (bucket,), 4))
+    assert time.monotonic() - started < 10
+    ray_cluster.cancel(pending, force=True)  # its CPU back for the engines of the tests after this one
 
 
 def test_buckets_are_bounded_and_keep_order():
