@@ -189,6 +189,7 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
         "step_s": statistics.median(step_s), "step_s_min": min(step_s), "step_s_max": max(step_s), "step_s_each": step_s,
         "generate_wait_s": median("time/generate_s"), "reward_s": median("time/reward_s"),
         "train_s": median("time/train_s"), "sync_s": median("time/sync_s"),
+        "publish_s": median("time/publish_s"), "receive_s": median("sync/receive_s"),
         "trainer_idle_s": median("time/trainer_idle_s"),
         "trainer_borrowed_s": median("time/trainer_borrowed_s"),
         "sampler_idle_s": statistics.median(r.get("time/sampler_idle_s", float("nan")) for r in timed),
@@ -246,7 +247,8 @@ def pair_ratios(pairs: list[dict], trl_runs: list[dict]) -> dict[str, float]:
 def show(run: dict) -> None:
     extra = ""
     if "train_s" in run:
-        extra = (f" | generate wait {run['generate_wait_s']:.3f}, train {run['train_s']:.3f}, sync {run['sync_s']:.3f}; "
+        extra = (f" | generate wait {run['generate_wait_s']:.3f}, train {run['train_s']:.3f}, sync {run['sync_s']:.3f} "
+                 f"(publish {run['publish_s']:.3f}, engine receive {run['receive_s']:.3f}); "
                  f"idle trainer {run['trainer_idle_s']:.3f} sampler {run['sampler_idle_s']:.3f}; trainer on engine "
                  f"cores {run['trainer_borrowed_s']:.3f}; train "
                  f"{run['train_flop_per_s'] / 1e9:.0f} GFLOP/s = {run['train_flop_of_peak']:.2f} of peak; padding "

@@ -122,6 +122,7 @@ def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grade
         "time/reward_s": sampled.reward_s + (t2 - t1),  # grading, shaping, the KL in the reward, the advantages
         "time/train_step_s": t3 - t2,
         "time/sync_s": t4 - t3,
+        "time/publish_s": published - t3,  # the trainer's part of the sync; the engines' is sync/receive_s
         "time/step_s": t4 - t0,
         # no rank computed: waiting for rollouts, grades and the engines' install (async mode hides generation)
         "time/trainer_idle_s": max(0.0, (t4 - t0) - train["time/train_s"] - (published - t3)),

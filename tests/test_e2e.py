@@ -16,9 +16,10 @@ from rl_tpu.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
 
-STEP_KEYS = {"reward/mean", "sync/transport", "sync/bytes", "actor/loss", "actor/entropy", "actor/grad_norm", "actor/logprob_diff", "time/generate_s",
-             "time/reward_s", "time/train_s", "time/sync_s", "perf/gen_tokens_per_s", "perf/train_tokens_per_s",
-             "sync/version", "rollout/weight_version", "sync/mb_per_s"}
+STEP_KEYS = {"reward/mean", "sync/transport", "sync/bytes", "actor/loss", "actor/entropy", "actor/grad_norm",
+             "actor/logprob_diff", "time/generate_s", "time/reward_s", "time/train_s", "time/sync_s", "time/publish_s",
+             "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "sync/version", "rollout/weight_version",
+             "sync/mb_per_s"}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,7 @@ def test_metrics_are_well_formed(three_step_run):
         assert STEP_KEYS <= set(row), STEP_KEYS - set(row)
         assert row["sync/version"] == step and row["rollout/weight_version"] == step - 1
         assert row["sync/transport"] == "collective"
+        assert 0.0 < row["time/publish_s"] < row["time/sync_s"]  # the engines' receive is the rest
         assert 0.0 <= row["reward/mean"] <= 1.0 and row["perf/train_tokens"] > 0
         assert row["actor/logprob_diff"] < 1e-5, "sampler and trainer disagree on the logprobs of the same tokens"
     assert "held-out accuracy:" in result.stdout
