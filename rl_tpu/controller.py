@@ -102,7 +102,7 @@ def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grade
     train = workers.train(dataclasses.replace(batch, advantages=advantages))
     t3 = time.perf_counter()
     bundle = workers.publish(step)
-    published = time.perf_counter()
+    publish_s = time.perf_counter() - t3
     received = workers.install(bundle)
     t4 = time.perf_counter()
     generated = sampled.generated.rollouts  # what the policy produced, before any group was dropped
@@ -122,10 +122,10 @@ def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grade
         "time/reward_s": sampled.reward_s + (t2 - t1),  # grading, shaping, the KL in the reward, the advantages
         "time/train_step_s": t3 - t2,
         "time/sync_s": t4 - t3,
-        "time/publish_s": published - t3,  # the trainer's part of the sync; the engines' is sync/receive_s
+        "time/publish_s": publish_s,  # the trainer's part of the sync; the engines' is sync/receive_s
         "time/step_s": t4 - t0,
         # no rank computed: waiting for rollouts, grades and the engines' install (async mode hides generation)
-        "time/trainer_idle_s": max(0.0, (t4 - t0) - train["time/train_s"] - (published - t3)),
+        "time/trainer_idle_s": max(0.0, (t4 - t0) - train["time/train_s"] - publish_s),
         **{k: v for k, v in received.items() if k.startswith("time/")},  # time/sampler_idle_s
         "perf/gen_tokens_per_s": gen_tokens / sampled.generate_s,
         "perf/train_tokens_per_s": train["perf/train_tokens"] / train["time/train_s"],
