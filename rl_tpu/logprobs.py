@@ -16,6 +16,7 @@ completions then run on their own. Loss and gradients are the whole-sequence for
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -82,9 +83,19 @@ def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return chosen, entropy
 
 
+@functools.cache
+def compiled_chunk_logprobs(backend: str):
+    """`_chunk_logprobs` compiled once for every chunk shape: its log-softmax, gather and entropy fused (the
+    reference workload's batch, forward and backward on one core: 39 -> 22 ms)."""
+    return torch.compile(_chunk_logprobs, backend=backend, dynamic=True)
+
+
 def token_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float, with_entropy: bool = True,
-                   chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities (and entropy) of the completion tokens under logits / temperature, in fp32."""
+                   chunk: int = DEFAULT_CHUNK, compile_backend: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities (and entropy) of the completion tokens under logits / temperature, in fp32.
+
+    `compile_backend`: compile the log-softmax with it (`trainer.compile`); None: run it eagerly."""
     resp_len = t["targets"].shape[1]
     if "prompt_rows" in t:
         logits = _shared_prompt_logits(model, t)
@@ -92,10 +103,11 @@ def token_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor], temperatu
         logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
                        use_cache=False, logits_to_keep=resp_len + 1).logits[:, :resp_len]
     recompute = torch.is_grad_enabled()
+    chunk_logprobs = compiled_chunk_logprobs(compile_backend) if compile_backend else _chunk_logprobs
     parts = []
     for start in range(0, resp_len, chunk):
         args = (logits[:, start: start + chunk], t["targets"][:, start: start + chunk], temperature, with_entropy)
-        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args))
+        parts.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args))
     chosen = torch.cat([c for c, _ in parts], dim=1)
     return chosen, torch.cat([e for _, e in parts], dim=1) if with_entropy else None
 

@@ -1,4 +1,4 @@
-"""The FSDP2 trainer: one instance per rank (a Ray actor), TorchTitan style.
+"""The FSDP2 trainer: one instance per rank (a Ray actor), TorchTitan style (a single fp32 rank runs unsharded).
 
 `train_step` is the whole update on one screen: mini-batches and epochs (PPO), each rank's
 micro-batches forward, the loss from verl's core_algos, backward, clip, step. Weights leave through `publish_weights`
@@ -33,7 +33,7 @@ from rl_tpu.device import Device
 from rl_tpu.export import MODEL_FILES, copy_model_files
 from rl_tpu.logprobs import forward_positions, pad_batch, token_logprobs
 from rl_tpu.metrics import peak_rss_mb
-from rl_tpu.parallelize import hf_name, parallelize
+from rl_tpu.parallelize import hf_name, materialize, parallelize
 from rl_tpu.rollout import TrainBatch
 
 
@@ -82,8 +82,9 @@ class TrainerWorker:
         with_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref_model = self._load_model(mesh).requires_grad_(False) if with_ref else None
         algo = cfg.algorithm
+        # one fused kernel for every parameter's update where PyTorch has one (reference workload: 15 -> 5 ms a step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, betas=tuple(algo.betas),
-                                           weight_decay=algo.weight_decay)
+                                           weight_decay=algo.weight_decay, fused=self.device.kind in ("cpu", "cuda"))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / algo.warmup_steps) if algo.warmup_steps else 1.0)
         self.pad_id = self._pad_id()
@@ -107,7 +108,7 @@ class TrainerWorker:
                                                      attn_implementation=self._attention(param_dtype))
         model = parallelize(model, self.device, mesh, param_dtype, self.cfg.trainer.activation_checkpointing,
                             self.cfg.trainer.compile, self.cfg.model.fp32_residual)
-        model.to_empty(device=self.device.torch_device)
+        materialize(model, self.device.torch_device)
         full = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if self.rank == 0 else None
         set_model_state_dict(model, full.state_dict() if full is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -175,7 +176,7 @@ class TrainerWorker:
         local = mini.shard(self.rank, self.world_size)
         if self.cfg.trainer.sort_by_length:
             local = local.sorted_by_length()
-        chunk, temperature = self.cfg.trainer.logprob_chunk_size, mini.temperature
+        temperature = mini.temperature
         micros = []
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
             t = self._padded(micro)
@@ -183,7 +184,7 @@ class TrainerWorker:
                 if self.old_logprob_source == "sampler" or not single_update:
                     t["old_log_probs"] = self._sampling_policy_logprobs(t, temperature)
                 if self.cfg.actor.use_kl_loss:
-                    t["ref_log_probs"] = token_logprobs(self.ref_model, t, temperature, False, chunk)[0]
+                    t["ref_log_probs"] = self._logprobs(self.ref_model, t, temperature, False)[0]
             micros.append(t)
         return micros
 
@@ -196,7 +197,12 @@ class TrainerWorker:
         or these weights' before the batch's first update."""
         if self.old_logprob_source == "sampler":
             return t["sampler_logprobs"]
-        return token_logprobs(self.model, t, temperature, False, self.cfg.trainer.logprob_chunk_size)[0]
+        return self._logprobs(self.model, t, temperature, False)[0]
+
+    def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float,
+                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        backend = self.device.compile_backend if self.cfg.trainer.compile else None
+        return token_logprobs(model, t, temperature, with_entropy, self.cfg.trainer.logprob_chunk_size, backend)
 
     def token_kl(self, batch: TrainBatch) -> list[list[float]]:
         """This rank's slice of the batch: each completion token's KL (`algorithm.kl_penalty`) between the policy
@@ -204,12 +210,12 @@ class TrainerWorker:
         from verl.trainer.ppo.core_algos import kl_penalty
 
         local = batch.shard(self.rank, self.world_size)
-        chunk, rows = self.cfg.trainer.logprob_chunk_size, []
+        rows = []
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
             t = self._padded(micro)
             with torch.no_grad():
                 policy = self._sampling_policy_logprobs(t, batch.temperature)
-                ref = token_logprobs(self.ref_model, t, batch.temperature, False, chunk)[0]
+                ref = self._logprobs(self.ref_model, t, batch.temperature, False)[0]
                 kl = kl_penalty(policy, ref, self.cfg.algorithm.kl_penalty).float().cpu()
             rows += [kl[i, :len(ids)].tolist() for i, ids in enumerate(micro.completion_ids)]
         return rows
@@ -217,7 +223,7 @@ class TrainerWorker:
     def _backward(self, t: dict[str, torch.Tensor], counts: tuple[int, int], batch: TrainBatch,
                   sums: dict[str, float], first_epoch: bool) -> None:
         """Forward, loss and backward of one micro-batch of an update; adds its figures to `sums`."""
-        log_prob, entropy = token_logprobs(self.model, t, batch.temperature, chunk=self.cfg.trainer.logprob_chunk_size)
+        log_prob, entropy = self._logprobs(self.model, t, batch.temperature, with_entropy=True)
         old_log_prob = t.get("old_log_probs", log_prob.detach())
         mask = t["response_mask"]
         is_weights, is_metrics = None, {}

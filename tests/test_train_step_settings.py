@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rl_tpu.config import RunConfig
 from rl_tpu.parallelize import hf_name
@@ -31,7 +32,8 @@ def one_step(model_dir, batch, dtype: str = "float32", **trainer) -> tuple[dict,
 
     def capture(*args, **kwargs):
         for name, param in worker.model.named_parameters():
-            grads[hf_name(name)] = param.grad.full_tensor().float().clone()
+            grad = param.grad  # a DTensor where FSDP shards the model (bf16), else a plain tensor
+            grads[hf_name(name)] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).float().clone()
         return step(*args, **kwargs)
 
     worker.optimizer.step = capture

@@ -1,9 +1,11 @@
-"""The FSDP2 trainer's update equals a plain single-process AdamW step, with and without activation checkpointing."""
+"""The trainer's update equals a plain single-process AdamW step, with and without activation checkpointing; two FSDP2
+ranks train like one; a checkpoint moves between world sizes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rl_tpu import algorithms
 from rl_tpu.config import RunConfig
@@ -157,6 +159,37 @@ def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_clus
     plain = plain_after_steps(tiny_model_dir, batch, steps=1)
     for name, tensor in plain.items():
         torch.testing.assert_close(published[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_checkpoint_moves_between_one_unsharded_rank_and_two_fsdp_ranks(ray_cluster, tiny_model_dir, batch, tmp_path):
+    """One fp32 rank trains without FSDP (plain tensors); its checkpoint resumes on two FSDP2 ranks, which take
+    the same next step it takes (model and optimizer state), and theirs loads back into one rank."""
+    cfg = RunConfig()
+    cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size = "cpu", 1e-3, 4
+    cfg.trainer.sort_by_length = cfg.trainer.share_prompts = False  # the two layouts' order (trainer_after_steps)
+    threads = torch.get_num_threads()
+    one = TrainerWorker(cfg, str(tiny_model_dir), 0, 1, "127.0.0.1", free_port())
+    try:
+        assert not any(isinstance(p, DTensor) for p in one.model.parameters())
+        one.train_step(batch)
+        one.save_checkpoint(str(tmp_path / "one"))
+        one.train_step(batch)
+        after_two_steps = {name: t.clone() for name, t in one.full_state_dict().items()}
+        cfg.trainer.world_size, port = 2, free_port()
+        ranks = [ray_cluster.remote(TrainerWorker).options(num_cpus=1).remote(cfg, str(tiny_model_dir), r, 2,
+                                                                              "127.0.0.1", port) for r in range(2)]
+        ray_cluster.get([r.load_checkpoint.remote(str(tmp_path / "one")) for r in ranks])
+        ray_cluster.get([r.train_step.remote(batch) for r in ranks])
+        ray_cluster.get([r.save_checkpoint.remote(str(tmp_path / "two")) for r in ranks])
+        sharded = ray_cluster.get([r.full_state_dict.remote() for r in ranks])[0]
+        ray_cluster.get([r.shutdown.remote() for r in ranks])
+        for name, tensor in after_two_steps.items():
+            torch.testing.assert_close(sharded[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        one.load_checkpoint(str(tmp_path / "two"))
+        assert all(torch.equal(one.full_state_dict()[name], tensor) for name, tensor in sharded.items())
+    finally:
+        one.shutdown()
+        torch.set_num_threads(threads)
 
 
 def test_a_non_finite_loss_skips_the_update_and_training_goes_on(tiny_model_dir, batch):
