@@ -197,7 +197,7 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
         "train_positions_per_step": median("perf/train_positions"),
         "padding_frac": median("perf/padding_frac"),
         "trainer_peak_rss_mb": max(r["perf/trainer_peak_rss_mb"] for r in rows),
-        "sampler_peak_rss_mb": max(r["perf/sampler_peak_rss_mb"] for r in rows),
+        "sampler_peak_rss_mb": max(r.get("perf/sampler_peak_rss_mb", 0.0) for r in rows),  # async: from step 2
         "staleness": median("rollout/staleness"),
         "actors": [{k: a.get(k) for k in ("actor", "pid")} for a in pinned["actors"]],
         "load_average_before": load_before, "load_average_after": os.getloadavg(),

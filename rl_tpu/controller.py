@@ -6,7 +6,9 @@ ahead, so batch t may come from weights t-1-k .. t-1 and the sampler generates w
 trainer trains and the grader grades; the trainer corrects the policy gradient with truncated
 importance weights. Every rollout's weight version is checked against that window. The
 sampler runs its calls in order, so a generation queued before a weight install uses the
-older weights. The held-out evaluation is graded while the sampler generates the next batch.
+older weights; in async mode the driver does not wait for the install, and the generations sent
+after it wait for it on their engine. The held-out evaluation is graded while the sampler generates
+the next batch.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grade
     t3 = time.perf_counter()
     bundle = workers.publish(step)
     publish_s = time.perf_counter() - t3
-    received = workers.install(bundle)
+    # async: the engines install while the trainer goes on to the next step, which reports this install's figures
+    received = workers.install(bundle, wait=cfg.trainer.max_staleness == 0)
     t4 = time.perf_counter()
     generated = sampled.generated.rollouts  # what the policy produced, before any group was dropped
     gen_tokens = sum(len(r.completion_ids) for r in generated)
@@ -126,7 +129,6 @@ def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grade
         "time/step_s": t4 - t0,
         # no rank computed: waiting for rollouts, grades and the engines' install (async mode hides generation)
         "time/trainer_idle_s": max(0.0, (t4 - t0) - train["time/train_s"] - publish_s),
-        **{k: v for k, v in received.items() if k.startswith("time/")},  # time/sampler_idle_s
         "perf/gen_tokens_per_s": gen_tokens / sampled.generate_s,
         "perf/train_tokens_per_s": train["perf/train_tokens"] / train["time/train_s"],
         "rollout/weight_version": float(oldest_used),
@@ -136,12 +138,21 @@ def grpo_step(step: int, queue: RolloutQueue, workers: Workers, tokenizer, grade
         "sync/buckets": float(len(bundle.buckets)),
         "sync/bytes": float(bundle.num_bytes),
         "sync/mb_per_s": bundle.num_bytes / 2**20 / (t4 - t3),
+        **install_metrics(received),
+        **sampled.shares,
+    }, sampled.batch.prompts
+
+
+def install_metrics(received: dict[str, float]) -> dict[str, float]:
+    """An install's figures as a step's metrics (none when no install finished in the step: async, step 1)."""
+    if not received:
+        return {}
+    return {
         "sync/receive_s": received["receive_s"],
         "sync/install_wait_s": received["install_wait_s"],  # for the engine's generation under way to end
         "perf/sampler_peak_rss_mb": received["peak_rss_mb"],
-        **{k: v for k, v in received.items() if k.startswith("sampler/")},
-        **sampled.shares,
-    }, sampled.batch.prompts
+        **{k: v for k, v in received.items() if k.startswith(("time/", "sampler/"))},  # time/sampler_idle_s
+    }
 
 
 def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
@@ -242,6 +253,7 @@ def train(job: Job, restarted: bool) -> None:
             if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
                 save_checkpoint(job, workers, step, queue, kl)
                 saved = step
+        workers.samplers.finish_install()  # async: the last step's (its evaluation waited for it already)
         if cfg.trainer.export:
             workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
             write_model_card(job.run_dir / "export", job.run_dir, value_of(cfg.model.dtype))

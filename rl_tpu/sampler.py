@@ -159,13 +159,14 @@ class Sampler:
             # vLLM's CPU backend repacks the head into storage of its own: a new embedding alone would leave it stale
             self.engine_params.add("lm_head.weight")
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings,
-                 seeds: list[int] | None = None) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings, seeds: list[int] | None = None,
+                 after: dict | None = None) -> list[Rollout]:
         """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index.
 
         `seeds`, one per prompt, make each prompt's draws independent of the engine's state and of
         which engine serves it: a resumed run, a restarted engine or a different number of engines
-        draws the same tokens.
+        draws the same tokens. `after` is the report of an install the call was sent behind
+        (`SamplerPool.generate` passes the install's ObjectRef, and Ray runs the call once it answered).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -197,25 +198,30 @@ class Sampler:
         return rollouts
 
     @ray.method(concurrency_group="weights")
-    def install(self, bundle: WeightBundle) -> dict[str, float]:
-        """Verify and install a weight bundle; the previous version keeps serving if anything is wrong."""
+    def install(self, bundle: WeightBundle, resent: bool = False) -> dict[str, float]:
+        """Verify and install a weight bundle; the previous version keeps serving if anything is wrong.
+
+        `resent`: the pool sends it again after losing the engine; one brought back with this version already
+        (`SamplerPool.bring_back`) reports instead of refusing it."""
         with self.activity:  # receiving and verifying use the engine's cores too
             start = time.perf_counter()
             # reads every bucket, refused or not: a collective stream stays aligned
             tensors, timings = unpack(bundle, receiver=self.options.index)
-            if bundle.version <= self.version:
-                raise WeightSyncError(
-                    f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
-            check_names(bundle, self.engine_params)
-            unpacked = time.perf_counter()
-            with self.turns.install():
-                installed = time.perf_counter()
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
-                # Cached prefixes were computed with the old weights.
-                self.llm.reset_prefix_cache()
-                self.version = bundle.version
-                done = time.perf_counter()
-                self.busy_s += done - installed
+            installed = done = unpacked = time.perf_counter()
+            if not (resent and bundle.version == self.version):
+                if bundle.version <= self.version:
+                    raise WeightSyncError(
+                        f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
+                check_names(bundle, self.engine_params)
+                unpacked = time.perf_counter()
+                with self.turns.install():
+                    installed = time.perf_counter()
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+                    # Cached prefixes were computed with the old weights.
+                    self.llm.reset_prefix_cache()
+                    self.version = bundle.version
+                    done = time.perf_counter()
+                    self.busy_s += done - installed
             return {**timings, "install_s": done - installed, "receive_s": (unpacked - start) + (done - installed),
                     "install_wait_s": installed - unpacked,  # the generation under way finishing first
                     "peak_rss_mb": peak_rss_mb(), "version": self.version, "busy_s": self.busy_s}

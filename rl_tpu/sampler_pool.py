@@ -95,12 +95,22 @@ class PendingRollouts:
 
 
 @dataclass
+class PendingInstall:
+    """An install sent to every engine and not waited for yet (`SamplerPool.start_install`)."""
+
+    bundle: WeightBundle
+    sent: list[tuple[object, int]]  # per engine: the call's ObjectRef, and the engine's restart count then
+    deadline: float
+
+
+@dataclass
 class SamplerPool:
     engines: list  # Ray actor handles of `Sampler`, engine order
     log_dir: str | None = None
     recovery: EngineRecovery | None = None  # None: a lost engine ends the call with an error
-    version: int = 0  # the weight version every engine serves
+    version: int = 0  # the newest weight version sent to every engine: generations sent from now on use it
     lives: dict[int, int] = field(default_factory=dict)  # engine -> times it was brought back
+    pending: PendingInstall | None = None
     # at the last install: when it returned, and each engine's busy seconds then (for the idle time between installs)
     last_install: tuple[float, list[float]] | None = None
 
@@ -114,11 +124,15 @@ class SamplerPool:
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings,
                  seeds: list[int] | None = None) -> PendingRollouts:
-        """Each engine generates its share; `seeds` (one per prompt) travel with their prompts."""
+        """Each engine generates its share; `seeds` (one per prompt) travel with their prompts.
+
+        Behind an install not waited for yet, each engine's call names that engine's install as an argument, so
+        Ray starts it once the install has answered: with the new weights. A call sent again does not."""
         chunks = []
         for engine, part in enumerate(split_evenly(len(prompts), len(self.engines))):
             args = ([prompts[i] for i in part], settings, [seeds[i] for i in part] if seeds is not None else None)
-            ref = self.engines[engine].generate.remote(*args)
+            after = self.pending.sent[engine][0] if self.pending else None
+            ref = self.engines[engine].generate.remote(*args, after=after)
             chunks.append(Chunk(engine, part, args, ref, self.lives.get(engine, 0), self.version))
         return PendingRollouts(self, chunks)
 
@@ -129,15 +143,31 @@ class SamplerPool:
 
     def install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
         """Install in every engine; the first engine's timings and each engine's served version."""
-        what, deadline = f"installing weights v{bundle.version}", time.monotonic() + timeout_s
+        self.start_install(bundle, timeout_s)
+        return self.finish_install()
+
+    def start_install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
+        """Send the install to every engine without waiting for it (`finish_install` does, within `timeout_s`);
+        generations sent meanwhile wait for it on their engine. Returns the figures of the install before, if
+        it was not waited for yet (empty if none was pending)."""
+        previous = self.finish_install()
         sent = [(engine.install.remote(bundle), self.lives.get(i, 0)) for i, engine in enumerate(self.engines)]
-        received = [self.wait(i, ref, life, lambda: self.engines[i].install.remote(bundle), what, deadline,
-                              reinstall=False) for i, (ref, life) in enumerate(sent)]
+        self.pending, self.version = PendingInstall(bundle, sent, time.monotonic() + timeout_s), bundle.version
+        return previous
+
+    def finish_install(self) -> dict[str, float]:
+        """Wait for the pending install (if any); its figures as `install` returns them."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return {}
+        bundle, what = pending.bundle, f"installing weights v{pending.bundle.version}"
+        # a lost engine is sent the bundle again; one brought back meanwhile (bring_back) serves it already
+        received = [self.wait(i, ref, life, lambda i=i: self.engines[i].install.remote(bundle, resent=True), what,
+                              pending.deadline, reinstall=False) for i, (ref, life) in enumerate(pending.sent)]
         versions = {r["version"] for r in received}
         if versions != {bundle.version}:
             raise RuntimeError(f"after installing v{bundle.version} the engines serve versions "
                                f"{[r['version'] for r in received]}")
-        self.version = bundle.version
         metrics = {f"sampler/engine_{i}/weight_version": float(r["version"]) for i, r in enumerate(received)}
         return {**received[0], "peak_rss_mb": max(r["peak_rss_mb"] for r in received), **metrics,
                 "sampler/restarts": float(self.restarts), **self._idle_since_last_install(received)}

@@ -42,11 +42,11 @@ def gather(calls: Sequence[tuple[str, Any]], what: str, timeout_s: float, log_di
         ref = ready[0]
         try:
             results[ref] = ray.get(ref)
-        except RayTaskError as err:
-            raise ActorError(f"{what} failed in {names[ref]}{_logs([ref], names, log_dir)}:\n{err}", names[ref]) from err
-        except RayActorError as err:
+        except RayActorError as err:  # also a call that waited on the actor's earlier call (`SamplerPool.generate`)
             raise ActorError(f"{what}: {names[ref]} died{_logs([ref], names, log_dir)}: {err}", names[ref],
                              lost=True) from err
+        except RayTaskError as err:
+            raise ActorError(f"{what} failed in {names[ref]}{_logs([ref], names, log_dir)}:\n{err}", names[ref]) from err
         except RayError as err:  # e.g. OutOfMemoryError: Ray's memory monitor killed the actor's worker
             raise ActorError(f"{what}: {names[ref]} was stopped by Ray ({type(err).__name__})"
                              f"{_logs([ref], names, log_dir)}: {err}", names[ref]) from err

@@ -69,12 +69,15 @@ class Workers:
         """Every rank sends its share of the buckets; the engines get them as one bundle."""
         return WeightBundle.merge(self.on_trainers("publish_weights", f"publishing weights v{version}", version))
 
-    def install(self, bundle: WeightBundle) -> dict[str, float]:
-        """Every engine installs the bundle (woken first if it slept while the trainer trained)."""
+    def install(self, bundle: WeightBundle, wait: bool = True) -> dict[str, float]:
+        """Every engine installs the bundle (woken first if it slept while the trainer trained); its figures.
+
+        `wait=False` sends it and returns at once, with the figures of the install before if that one was not
+        waited for (none at first); generations sent after it wait for it on their engines."""
         timeout = self.cfg.ray.call_timeout_s
         if self.reservation.plan.engines_sleep:
             self.samplers.call("wake_up", "waking the engines", timeout)
-        return self.samplers.install(bundle, timeout)
+        return self.samplers.install(bundle, timeout) if wait else self.samplers.start_install(bundle, timeout)
 
     def release_devices(self) -> None:
         """Colocated on CUDA: the engines hand the GPU to the trainer until the next install."""

@@ -1,10 +1,12 @@
-"""An install waiting for the engine goes before generations queued after the one under way."""
+"""An install waiting for the engine goes before generations queued after the one under way; generations the pool
+sends behind an install it has not waited for run with that install's weights."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
 import ray
 
 from conftest import ship_by_value
@@ -82,3 +84,48 @@ def test_ray_runs_the_install_between_queued_generations(ray_cluster):
     assert ray.get(under_way, timeout=30) == 0
     assert ray.get(queued, timeout=30) == [1, 1], log
     assert log.splitlines() == ["generate with v0", "install v1"]
+
+
+class InstallingEngine:
+    """The sampler's calls as `SamplerPool` makes them, without vLLM: a slow install, and generations whose
+    rollouts carry the weight version they were made with."""
+
+    def __init__(self):
+        self.version = 0
+
+    def generate(self, prompts, settings, seeds=None, after=None) -> list:
+        from rl_tpu.rollout import Rollout
+
+        return [Rollout(p, [1], [0.0], self.version, "stop", g) for g, p in enumerate(prompts)]
+
+    @ray.method(concurrency_group="weights")
+    def install(self, bundle, resent: bool = False) -> dict:
+        time.sleep(1.0)
+        if bundle.bad:
+            raise ValueError(f"bundle v{bundle.version} fails its checksum")
+        self.version = bundle.version
+        return {"receive_s": 1.0, "install_wait_s": 0.0, "peak_rss_mb": 1.0, "version": self.version, "busy_s": 1.0}
+
+
+def test_generations_sent_behind_an_install_not_waited_for_run_with_its_weights(ray_cluster):
+    """Async steps: the pool sends the install and the next generations at once and waits for neither; every
+    generation runs with the new weights, and one behind a failed install fails naming it."""
+    from types import SimpleNamespace
+
+    from rl_tpu.sampler_pool import SamplerPool
+    from rl_tpu.waiting import ActorError
+
+    engines = [ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(InstallingEngine).options(num_cpus=0).remote()
+               for _ in range(2)]
+    pool = SamplerPool(engines)
+    sent = time.monotonic()
+    assert pool.start_install(SimpleNamespace(version=1, bad=False), timeout_s=60) == {}
+    pending = pool.generate([[1], [2], [3]], settings=None)
+    assert time.monotonic() - sent < 0.9  # neither waited for the 1 s install
+    assert {r.weight_version for r in pending.result(timeout_s=60)} == {1}
+    assert pool.start_install(SimpleNamespace(version=2, bad=True), timeout_s=60)["version"] == 1  # v1's figures
+    behind_the_bad_one = pool.generate([[1], [2]], settings=None)
+    with pytest.raises(ActorError, match="bundle v2 fails its checksum"):
+        behind_the_bad_one.result(timeout_s=60)
+    with pytest.raises(ActorError, match="installing weights v2 failed in sampler_0"):
+        pool.finish_install()

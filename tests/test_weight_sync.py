@@ -92,6 +92,9 @@ def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(
     # A stale version is refused (after it is read: a collective stream must stay aligned); v1 keeps serving.
     with pytest.raises(Exception, match="refusing older or equal bundle v1"):
         ray.get(running.install.remote(sync.pack(state, version=1, transport=sender, bucket_mb=1.0)))
+    # Sent again after the engine was lost (SamplerPool.finish_install): one that serves v1 already reports it.
+    again = ray.get(running.install.remote(sync.pack(state, version=1, transport=sender, bucket_mb=1.0), resent=True))
+    assert again["version"] == 1 and again["install_s"] == 0.0
     # A bucket damaged in transit fails its checksum before anything is installed.
     zeros = {k: torch.zeros_like(v) for k, v in state.items()}
     with pytest.raises(Exception, match="bucket 2 of .* fails its checksum"):
