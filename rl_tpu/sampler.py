@@ -165,8 +165,9 @@ class Sampler:
 
         `seeds`, one per prompt, make each prompt's draws independent of the engine's state and of
         which engine serves it: a resumed run, a restarted engine or a different number of engines
-        draws the same tokens. `after` is the report of an install the call was sent behind
-        (`SamplerPool.generate` passes the install's ObjectRef, and Ray runs the call once it answered).
+        draws the same tokens. The pool may send the call behind an install it has not waited for,
+        passing that install's ObjectRef as the after argument, which Ray resolves to the install's report
+        before the call runs.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

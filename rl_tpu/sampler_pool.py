@@ -96,7 +96,7 @@ class PendingRollouts:
 
 @dataclass
 class PendingInstall:
-    """An install sent to every engine and not waited for yet (`SamplerPool.start_install`)."""
+    """An install sent to every engine and not waited for yet (by SamplerPool.start_install)."""
 
     bundle: WeightBundle
     sent: list[tuple[object, int]]  # per engine: the call's ObjectRef, and the engine's restart count then
@@ -147,7 +147,7 @@ class SamplerPool:
         return self.finish_install()
 
     def start_install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
-        """Send the install to every engine without waiting for it (`finish_install` does, within `timeout_s`);
+        """Send the install to every engine without waiting for it (finish_install waits, within timeout_s);
         generations sent meanwhile wait for it on their engine. Returns the figures of the install before, if
         it was not waited for yet (empty if none was pending)."""
         previous = self.finish_install()
@@ -156,7 +156,7 @@ class SamplerPool:
         return previous
 
     def finish_install(self) -> dict[str, float]:
-        """Wait for the pending install (if any); its figures as `install` returns them."""
+        """Wait for the pending install (if any); its figures, as the install method returns them."""
         pending, self.pending = self.pending, None
         if pending is None:
             return {}

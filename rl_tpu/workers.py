@@ -72,8 +72,9 @@ class Workers:
     def install(self, bundle: WeightBundle, wait: bool = True) -> dict[str, float]:
         """Every engine installs the bundle (woken first if it slept while the trainer trained); its figures.
 
-        `wait=False` sends it and returns at once, with the figures of the install before if that one was not
-        waited for (none at first); generations sent after it wait for it on their engines."""
+        Without waiting (wait=False) it sends the bundle and returns at once, with the figures of the install
+        before if that one was not waited for (none at first); generations sent after it wait for it on their
+        engines."""
         timeout = self.cfg.ray.call_timeout_s
         if self.reservation.plan.engines_sleep:
             self.samplers.call("wake_up", "waking the engines", timeout)
