@@ -208,24 +208,29 @@ class Sampler:
             start = time.perf_counter()
             # reads every bucket, refused or not: a collective stream stays aligned
             tensors, timings = unpack(bundle, receiver=self.options.index)
-            installed = done = unpacked = time.perf_counter()
-            if not (resent and bundle.version == self.version):
-                if bundle.version <= self.version:
-                    raise WeightSyncError(
-                        f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
-                check_names(bundle, self.engine_params)
-                unpacked = time.perf_counter()
-                with self.turns.install():
-                    installed = time.perf_counter()
-                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
-                    # Cached prefixes were computed with the old weights.
-                    self.llm.reset_prefix_cache()
-                    self.version = bundle.version
-                    done = time.perf_counter()
-                    self.busy_s += done - installed
-            return {**timings, "install_s": done - installed, "receive_s": (unpacked - start) + (done - installed),
-                    "install_wait_s": installed - unpacked,  # the generation under way finishing first
+            if resent and bundle.version == self.version:
+                checked = loading = done = time.perf_counter()
+            else:
+                checked, loading, done = self._load(bundle, tensors)
+            return {**timings, "install_s": done - loading, "receive_s": (checked - start) + (done - loading),
+                    "install_wait_s": loading - checked,  # the generation under way finishing first
                     "peak_rss_mb": peak_rss_mb(), "version": self.version, "busy_s": self.busy_s}
+
+    def _load(self, bundle: WeightBundle, tensors) -> tuple[float, float, float]:
+        """Refuse a bundle that is not newer or does not fill the engine; else load it once the generation under
+        way ends. Returns when the checks ended, when the load began and when it ended."""
+        if bundle.version <= self.version:
+            raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
+        check_names(bundle, self.engine_params)
+        checked = time.perf_counter()
+        with self.turns.install():
+            loading = time.perf_counter()
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+            self.version = bundle.version
+            done = time.perf_counter()
+            self.busy_s += done - loading  # inside the turn: generations add to it from their own thread
+        return checked, loading, done
 
     def sleep(self) -> None:
         """Give the device to the trainer: weights to host memory, KV cache dropped (sleep mode only)."""

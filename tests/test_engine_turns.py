@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -129,3 +130,53 @@ def test_generations_sent_behind_an_install_not_waited_for_run_with_its_weights(
         behind_the_bad_one.result(timeout_s=60)
     with pytest.raises(ActorError, match="installing weights v2 failed in sampler_0"):
         pool.finish_install()
+
+
+class RestartableEngine(InstallingEngine):
+    """An InstallingEngine that keeps the sampler's rule for an install resent after a loss (the version it
+    serves already is reported, not refused) and leaves a file `installing` while its first install runs."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.installing = Path(folder) / "installing"
+
+    @ray.method(concurrency_group="weights")
+    def install(self, bundle, resent: bool = False) -> dict:
+        if bundle.version <= self.version and not (resent and bundle.version == self.version):
+            raise ValueError(f"serves v{self.version}; refusing v{bundle.version}")
+        self.installing.touch()
+        return super().install(bundle, resent)
+
+
+def test_an_engine_lost_during_an_install_not_waited_for_is_brought_back_and_serves_the_generations(ray_cluster,
+                                                                                                  tmp_path):
+    """Async recovery: the engine dies while an install and the generation behind it are both pending. The
+    generation fails as lost, the pool waits for Ray's restart, installs the republished weights and sends the
+    generation again (without the dead install as argument); the pending install then reports the version."""
+    from types import SimpleNamespace
+
+    from rl_tpu.sampler_pool import EngineRecovery, SamplerPool
+
+    def bundle(version: int) -> SimpleNamespace:
+        return SimpleNamespace(version=version, bad=False)
+
+    engines = [ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(RestartableEngine)
+               .options(num_cpus=0, max_restarts=1).remote(str(tmp_path / str(i))) for i in range(2)]
+    for i, engine in enumerate(engines):
+        (tmp_path / str(i)).mkdir()
+        ray.get(engine.__ray_ready__.remote(), timeout=60)
+    republished = []
+    recovery = EngineRecovery(republish=lambda v: republished.append(v) or bundle(v), max_restarts=1,
+                              ready_timeout_s=60)
+    pool = SamplerPool(engines, recovery=recovery)
+    pool.start_install(bundle(1), timeout_s=60)
+    pending = pool.generate([[1], [2], [3], [4]], settings=None)
+    wait_until(lambda: (tmp_path / "0" / "installing").exists())
+    ray.kill(engines[0], no_restart=False)  # during its 1 s install, with the generation queued behind it
+    rollouts = pending.result(timeout_s=60)
+    assert [r.prompt_ids for r in rollouts] == [[1], [2], [3], [4]]
+    assert {r.weight_version for r in rollouts} == {1}
+    assert republished == [1] and pool.lives == {0: 1}
+    received = pool.finish_install()
+    assert received["sampler/engine_0/weight_version"] == received["sampler/engine_1/weight_version"] == 1.0
+    assert received["sampler/restarts"] == 1.0
