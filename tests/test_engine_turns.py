@@ -134,7 +134,7 @@ def test_generations_sent_behind_an_install_not_waited_for_run_with_its_weights(
 
 class RestartableEngine(InstallingEngine):
     """An InstallingEngine that keeps the sampler's rule for an install resent after a loss (the version it
-    serves already is reported, not refused) and leaves a file `installing` while its first install runs."""
+    serves already is reported, not refused) and touches a file `installing` in `folder` as an install begins."""
 
     def __init__(self, folder: str):
         super().__init__()
@@ -160,18 +160,20 @@ def test_an_engine_lost_during_an_install_not_waited_for_is_brought_back_and_ser
     def bundle(version: int) -> SimpleNamespace:
         return SimpleNamespace(version=version, bad=False)
 
-    engines = [ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(RestartableEngine)
-               .options(num_cpus=0, max_restarts=1).remote(str(tmp_path / str(i))) for i in range(2)]
-    for i, engine in enumerate(engines):
-        (tmp_path / str(i)).mkdir()
-        ray.get(engine.__ray_ready__.remote(), timeout=60)
+    folders = [tmp_path / str(i) for i in range(2)]
+    engines = []
+    for folder in folders:
+        folder.mkdir()
+        engines.append(ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(RestartableEngine)
+                       .options(num_cpus=0, max_restarts=1).remote(str(folder)))
+    ray.get([engine.__ray_ready__.remote() for engine in engines], timeout=60)
     republished = []
     recovery = EngineRecovery(republish=lambda v: republished.append(v) or bundle(v), max_restarts=1,
                               ready_timeout_s=60)
     pool = SamplerPool(engines, recovery=recovery)
     pool.start_install(bundle(1), timeout_s=60)
     pending = pool.generate([[1], [2], [3], [4]], settings=None)
-    wait_until(lambda: (tmp_path / "0" / "installing").exists())
+    wait_until(lambda: (folders[0] / "installing").exists())
     ray.kill(engines[0], no_restart=False)  # during its 1 s install, with the generation queued behind it
     rollouts = pending.result(timeout_s=60)
     assert [r.prompt_ids for r in rollouts] == [[1], [2], [3], [4]]
