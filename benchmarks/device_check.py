@@ -226,6 +226,7 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     cfg = RunConfig()
     cfg.device, cfg.model.dtype = args.device, "float32" if args.trainer_shape == "tiny" else "bfloat16"
     cfg.trainer.micro_batch_size, cfg.trainer.compile = args.micro_batch_size, args.compile
+    cfg.trainer.skip_zero_advantage_rows = False  # the whole batch's cost, groups scored alike included
     cfg = with_settings(cfg, args.set)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()

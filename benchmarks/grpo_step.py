@@ -132,6 +132,8 @@ def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
     cfg.trainer.compile = variant.compile
     cfg.trainer.share_prompts = variant.share_prompts
     cfg.trainer.borrow_idle_cores = variant.borrow
+    # TRL runs every row; at random init nearly every group scores 0 alike, and rl_tpu would run almost none
+    cfg.trainer.skip_zero_advantage_rows = False
     cfg.trainer.total_steps = 10**6  # the queue stops at total_steps
     cfg.reward.name = "arithmetic"
     return cfg

@@ -95,6 +95,7 @@ def run_config(model: Path, train: Path, test: Path, world_size: int, args) -> R
     cfg.reward.name = "gsm8k"
     cfg.trainer.world_size, cfg.trainer.micro_batch_size = world_size, args.micro_batch_size
     cfg.trainer.activation_checkpointing = True  # as the real-model recipes set it
+    cfg.trainer.skip_zero_advantage_rows = False  # a random-init model scores 0 alike: the cost of every row
     cfg.trainer.total_steps, cfg.trainer.eval_every = args.warmup + args.steps, 10_000
     cfg.trainer.export, cfg.trainer.checkpoint_final, cfg.trainer.checkpoint_every = False, False, 0
     cfg.ray.object_store_mb = 2048

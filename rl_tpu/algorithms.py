@@ -30,6 +30,13 @@ GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "gdpo", "rloo", "rl
 ROW_MEAN_LOSSES = ("geo_mean",)
 # losses that choose tokens by statistics of the micro-batch they see, as verl's do (per micro-batch there too)
 MICRO_BATCH_STATISTIC_LOSSES = ("clip_cov", "kl_cov")
+# losses under which a row whose advantages are all zero still changes the update, and why; under every other
+# loss such a row adds exactly zero to the loss and its gradient (tests/test_algorithms.py checks each mode)
+ZERO_ADVANTAGE_ROWS_COUNT = {
+    "dro": "its penalty on the log-ratio does not scale with the advantage",
+    "clip_cov": "it picks the tokens it clips by statistics of the rows it sees",
+    "kl_cov": "it picks the tokens it penalises by statistics of the rows it sees",
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,6 +87,19 @@ def validate_policy_loss(actor: ActorConfig) -> None:
                          f"{actor.ppo_mini_batch_size} must be at least 1 (ppo_mini_batch_size null: the whole batch)")
 
 
+def why_zero_advantage_rows_count(actor: ActorConfig) -> str | None:
+    """Why, under these settings, a row whose advantages are all zero changes the update (its key and value);
+    None: it adds nothing to the loss or the gradient, so the trainer may leave it out."""
+    mode = value_of(actor.policy_loss.loss_mode)
+    if mode in ZERO_ADVANTAGE_ROWS_COUNT:
+        return f"actor.policy_loss.loss_mode={mode}: {ZERO_ADVANTAGE_ROWS_COUNT[mode]}"
+    if actor.use_kl_loss:
+        return "actor.use_kl_loss=true: the KL term of every row is in the loss"
+    if actor.entropy_coeff != 0.0:
+        return f"actor.entropy_coeff={actor.entropy_coeff}: the entropy of every row is in the loss"
+    return None
+
+
 def validate(cfg: RunConfig, reward_names: list[str]) -> None:
     """The algorithm settings, checked before anything starts; each error names the key and what is allowed."""
     algo, actor = cfg.algorithm, cfg.actor
@@ -95,6 +115,10 @@ def validate(cfg: RunConfig, reward_names: list[str]) -> None:
             raise ValueError(f"algorithm.adv_estimator=gdpo normalises each reward component on its own: "
                              f"algorithm.gdpo_reward_keys={algo.gdpo_reward_keys} must name some of this run's "
                              f"rewards, {', '.join(reward_names)} (reward.combine)")
+    why = why_zero_advantage_rows_count(actor)
+    if cfg.trainer.skip_zero_advantage_rows and why:
+        raise ValueError(f"trainer.skip_zero_advantage_rows=true would change the update: {why}. Leave the key "
+                         "unset (null: rows are left out only where that changes nothing) or set it false")
     mini = actor.ppo_mini_batch_size
     if mini is not None and (cfg.data.train_batch_size % mini or (mini * cfg.sampler.n) % cfg.trainer.world_size):
         raise ValueError(f"actor.ppo_mini_batch_size={mini} prompts must divide data.train_batch_size="

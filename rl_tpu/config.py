@@ -297,6 +297,14 @@ class TrainerConfig:
     # equal the whole-sequence forward's (fp32: to 1e-6). A compiler sees one more batch size per count of distinct
     # prompts in a micro-batch (on TPU each is a graph of its own)
     share_prompts: bool = True
+    # Rows whose advantages are all zero (a GRPO group whose completions all scored the same) or that are out of
+    # the loss get no forward or backward: under the policy losses in rl_tpu/algorithms.py's list, with no KL loss
+    # and no entropy bonus, they add exactly zero to the loss and the gradient, and the loss keeps the whole
+    # batch's token and sequence counts; the rows left are topped up to a multiple of the ranks (with seq_buckets, of
+    # ranks times micro_batch_size: no new shape). Loss and gradients equal the full batch's to float rounding (fp32:
+    # 1e-6, tests). actor/entropy and actor/logprob_diff are then over the rows trained; perf/rows_skipped_frac says
+    # how many were not. None: on wherever that changes no update; true: on, refusing settings where it would; false: off
+    skip_zero_advantage_rows: Optional[bool] = None
     # Host allocations of 1 MiB or more are mapped and unmapped on their own, so freed memory goes back to the
     # OS at once (glibc's MALLOC_MMAP_THRESHOLD_): otherwise freed parameter-sized blocks stay in the heap and a
     # rank's memory stops scaling with the world size. Real-size benchmark: 37% lower peak per rank at world

@@ -71,6 +71,19 @@ class TrainBatch:
         return self._take(sorted(range(len(self)),
                                  key=lambda i: (len(self.completion_ids[i]), len(self.prompt_ids[i]))))
 
+    def rows_with_signal(self, multiple: int) -> "TrainBatch":
+        """The rows in the loss with a non-zero advantage, in batch order: the only ones whose gradient can be non-zero.
+
+        Topped up with the shortest other rows to a multiple of `multiple` (at least one, at most every row): of
+        the data-parallel ranks, so that each gets as many rows and runs as many forward and backward passes
+        (FSDP's collectives pair them across ranks), or of ranks times micro-batch rows, so that no micro-batch
+        has a new row count (a compiler's new shape)."""
+        signal = [i for i in range(len(self)) if self.in_loss(i) and any(a != 0.0 for a in self.advantages[i])]
+        wanted = min(len(self), max(multiple, -(-len(signal) // multiple) * multiple))
+        rest = sorted(set(range(len(self))) - set(signal),
+                      key=lambda i: (len(self.completion_ids[i]) + len(self.prompt_ids[i]), i))
+        return self._take(sorted(signal + rest[: wanted - len(signal)]))
+
     def in_loss(self, i: int) -> bool:
         return self.loss_mask is None or self.loss_mask[i]
 

@@ -92,6 +92,8 @@ class TrainerWorker:
         # bypass_mode is verl's name for a loss whose old logprobs are the sampler's
         bypass = value_of(cfg.actor.policy_loss.loss_mode) == "bypass_mode"
         self.old_logprob_source = "sampler" if bypass else value_of(cfg.actor.old_logprob_source)
+        self.skip_zero_advantage_rows = (cfg.trainer.skip_zero_advantage_rows is not False
+                                         and algorithms.why_zero_advantage_rows_count(cfg.actor) is None)
         # the collective sender (rank 0) listens on its own node's address, where the engines connect
         self.transport = sync.make_transport(value_of(cfg.sync.transport), cfg.sync.shm_dir, host=master_addr,
                                              receivers=cfg.sampler.num_engines)
@@ -148,9 +150,13 @@ class TrainerWorker:
         mini_size = len(batch) if actor.ppo_mini_batch_size is None else actor.ppo_mini_batch_size * self.cfg.sampler.n
         minis = micro_batches(batch, mini_size)
         self.model.train()
-        prepared = [self._prepare(mini, single_update=len(minis) * actor.ppo_epochs == 1) for mini in minis]
         # each update's loss is normalised by its mini-batch's counts, of tokens and sequences in the loss
         counts = [(max(mini.num_tokens(), 1), max(mini.num_seqs(), 1)) for mini in minis]
+        if self.skip_zero_advantage_rows:  # rows that add nothing to the loss or the gradient are not run
+            # compiled shapes (seq_buckets): whole micro-batches only, so no step brings a new row count
+            multiple = self.world_size * (self.cfg.trainer.micro_batch_size if self.cfg.trainer.seq_buckets else 1)
+            minis = [mini.rows_with_signal(multiple) for mini in minis]
+        prepared = [self._prepare(mini, single_update=len(minis) * actor.ppo_epochs == 1) for mini in minis]
         sums: dict[str, float] = defaultdict(float)
         grad_norms = []
         for epoch in range(actor.ppo_epochs):
@@ -168,7 +174,8 @@ class TrainerWorker:
                                        time.perf_counter() - start)
         if skipped:  # a non-finite loss or gradient: that update's figures are not numbers; the rest are kept
             metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        return {**metrics, "actor/skipped": float(skipped > 0), "actor/skipped_updates": float(skipped)}
+        return {**metrics, "actor/skipped": float(skipped > 0), "actor/skipped_updates": float(skipped),
+                "perf/rows_skipped_frac": 1.0 - sum(map(len, minis)) / len(batch)}
 
     def _prepare(self, mini: TrainBatch, single_update: bool) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of a mini-batch, padded, with the logprobs the updates compare against:

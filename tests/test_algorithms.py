@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from rl_tpu import algorithms
-from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode, LossMode, PolicyLossConfig
+from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode, LossMode, PolicyLossConfig, RunConfig
 from rl_tpu.models.tiny import build_model
 from rl_tpu.rollout import TrainBatch
 from rl_tpu.logprobs import pad_batch, token_logprobs
@@ -299,3 +300,63 @@ def test_which_importance_weights_the_trainer_applies():
     sequence, _ = algorithms.truncated_is_weights(log_prob, sampler, mask, 1.5, "sequence")
     torch.testing.assert_close(tokens, torch.tensor([[1.5, 1.0, 0.5]]))
     torch.testing.assert_close(sequence, torch.tensor([[1.0, 1.0, 1.0]]))
+
+
+def batch_with_rows_without_signal() -> TrainBatch:
+    """Twelve rows; group 1 (rows 4-7) scored alike, so its advantages are zero, and row 9 is out of the loss."""
+    batch = make_batch(seed=3, size=12)  # every group of 4 has scores that vary
+    advantages = [[0.0] * len(a) if 4 <= i < 8 else a for i, a in enumerate(batch.advantages)]
+    loss_mask = [i != 9 for i in range(len(batch))]
+    return dataclasses.replace(batch, advantages=advantages, loss_mask=loss_mask)
+
+
+@pytest.mark.parametrize("mode,agg_mode", [(m.value, "token-mean") for m in LossMode]
+                         + [("vanilla", m.value) for m in LossAggMode if m.value != "token-mean"])
+def test_rows_without_advantage_add_nothing_to_loss_and_gradients_under_every_loss_not_listed(mode, agg_mode):
+    """The trainer leaves out rows with all-zero advantages, and rows out of the loss, under every loss but those
+    `algorithms.ZERO_ADVANTAGE_ROWS_COUNT` lists: the rest must give the whole batch's loss and gradients (the
+    normalisers keep the whole batch's counts), and each listed loss must indeed need those rows."""
+    model, batch = small_model(), batch_with_rows_without_signal()
+    kept = batch.rows_with_signal(multiple=1)
+    assert len(kept) == 7 and all(any(a) for a in kept.advantages) and kept.num_tokens() < batch.num_tokens()
+    micro = 12 if mode in algorithms.MICRO_BATCH_STATISTIC_LOSSES else 3
+    actor = actor_config(mode, agg_mode)
+    whole = our_loss_and_grads(model, batch, actor, micro)
+    trained = our_loss_and_grads(model, kept, actor, micro, global_batch=batch)
+    if mode not in algorithms.ZERO_ADVANTAGE_ROWS_COUNT:
+        assert algorithms.why_zero_advantage_rows_count(actor) is None
+        assert_same(trained, whole)
+        return
+    assert mode in algorithms.why_zero_advantage_rows_count(actor)
+    with pytest.raises(AssertionError):
+        assert_same(trained, whole)
+
+
+def test_rows_kept_for_the_gradient_split_evenly_over_ranks():
+    """Rows with signal, topped up with the shortest others to a multiple (of the ranks, or of ranks times
+    micro-batch rows), in batch order."""
+    batch = batch_with_rows_without_signal()
+    lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+    signal = [0, 1, 2, 3, 8, 10, 11]
+    for multiple, size in [(1, 7), (2, 8), (4, 8), (8, 8), (16, 12)]:
+        kept = batch.rows_with_signal(multiple)
+        rows = [batch.completion_ids.index(c) for c in kept.completion_ids]
+        assert len(kept) == size and rows == sorted(rows) and set(signal) <= set(rows)
+        extra = sorted(set(rows) - set(signal), key=lambda i: lengths[i])
+        others = sorted(set(range(12)) - set(signal), key=lambda i: lengths[i])
+        assert [lengths[i] for i in extra] == [lengths[i] for i in others[: len(extra)]]
+    none = dataclasses.replace(batch, advantages=[[0.0] * len(a) for a in batch.advantages])
+    assert len(none.rows_with_signal(2)) == 2  # one row per rank: every rank still steps its optimizer
+
+
+def test_skipping_rows_is_refused_where_they_count():
+    cfg = RunConfig()
+    cfg.trainer.skip_zero_advantage_rows = True
+    algorithms.validate(cfg, ["arithmetic"])
+    cfg.actor.use_kl_loss = True
+    with pytest.raises(ValueError, match="skip_zero_advantage_rows=true.*actor.use_kl_loss"):
+        algorithms.validate(cfg, ["arithmetic"])
+    cfg.actor.use_kl_loss, cfg.actor.entropy_coeff = False, 0.01
+    assert "actor.entropy_coeff" in algorithms.why_zero_advantage_rows_count(cfg.actor)
+    cfg.trainer.skip_zero_advantage_rows = None  # unset: the trainer runs every row, nothing is refused
+    algorithms.validate(cfg, ["arithmetic"])

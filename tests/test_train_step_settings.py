@@ -1,6 +1,7 @@
 """The train-step settings that make it faster change nothing they should not: sequences sorted by length give
-the padded loss and gradients (fp32, 1e-6), so do prompts run once per group (`share_prompts`), bf16 stays
-within stated tolerances of fp32, and the compiled step gives the eager loss."""
+the padded loss and gradients (fp32, 1e-6), so do prompts run once per group (`share_prompts`) and rows left
+out for having no advantage, bf16 stays within stated tolerances of fp32, and the compiled step gives the
+eager loss."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from test_algorithms import make_batch
 
 def one_step(model_dir, batch, dtype: str = "float32", **trainer) -> tuple[dict, dict[str, torch.Tensor]]:
     """The metrics of one train step and the (clipped) gradients the optimizer was given, in fp32; prompts are
-    run with their completions unless the call asks for `share_prompts`."""
+    run with their completions, and every row is run, unless the call asks for `share_prompts` or
+    `skip_zero_advantage_rows`."""
     cfg = RunConfig()
     cfg.device, cfg.model.dtype, cfg.trainer.micro_batch_size = "cpu", dtype, 4
-    cfg.trainer.share_prompts = False
+    cfg.trainer.share_prompts = cfg.trainer.skip_zero_advantage_rows = False
     for key, value in trainer.items():
         setattr(cfg.trainer, key, value)
     threads = torch.get_num_threads()
@@ -110,3 +112,26 @@ def test_the_compiled_step_gives_the_eager_loss(tiny_model_dir, batch, fp32_step
     assert compiled["actor/loss"] == pytest.approx(eager["actor/loss"], abs=1e-5)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_rows_without_advantage_are_not_run_and_change_neither_loss_nor_gradients(tiny_model_dir, batch):
+    """The second group scored alike (all-zero advantages) and one row is out of the loss: with the default
+    (skip_zero_advantage_rows unset) the step runs the other seven rows only, to the full batch's loss and
+    gradients; with sequence-level importance weights, as async mode can ask for."""
+    advantages = [[0.0] * len(a) if 4 <= i < 8 else a for i, a in enumerate(batch.advantages)]
+    quiet = dataclasses.replace(batch, advantages=advantages, loss_mask=[i != 9 for i in range(len(batch))],
+                                rollout_is="sequence")
+    every_row, every_grads = one_step(tiny_model_dir, quiet, sort_by_length=False)
+    skipping, skipping_grads = one_step(tiny_model_dir, quiet, sort_by_length=False, skip_zero_advantage_rows=None)
+    assert every_row["perf/rows_skipped_frac"] == 0.0 and skipping["perf/rows_skipped_frac"] == pytest.approx(5 / 12)
+    trained = [i for i in range(len(batch)) if i < 4 or i in (8, 10, 11)]
+    lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in trained]
+    assert skipping["perf/train_positions"] == sum(lengths) < every_row["perf/train_positions"]
+    assert skipping["actor/loss"] == pytest.approx(every_row["actor/loss"], abs=1e-6)
+    assert skipping["actor/grad_norm"] == pytest.approx(every_row["actor/grad_norm"], rel=1e-5)
+    for name, grad in every_grads.items():
+        torch.testing.assert_close(skipping_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+    # with compiled shapes (seq_buckets), whole micro-batches of 4 only: the seven rows and one more
+    bucketed, _ = one_step(tiny_model_dir, quiet, sort_by_length=False, skip_zero_advantage_rows=None, seq_buckets=[16])
+    assert bucketed["perf/rows_skipped_frac"] == pytest.approx(4 / 12)
+    assert bucketed["actor/loss"] == pytest.approx(every_row["actor/loss"], abs=1e-6)

@@ -3,6 +3,9 @@ ranks train like one; a checkpoint moves between world sizes."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -41,8 +44,11 @@ def trainer_after_steps(model_dir, batch, steps: int, actor: dict | None = None,
         torch.set_num_threads(threads)
 
 
-def plain_after_steps(model_dir, batch, steps: int) -> dict[str, torch.Tensor]:
+def plain_after_steps(model_dir, batch, steps: int, micro_size: int = 4, whole=None) -> dict[str, torch.Tensor]:
+    """`whole`: the batch whose token and sequence counts normalise the loss, where `batch` holds some of its rows."""
     from transformers import AutoModelForCausalLM
+
+    whole = whole or batch
 
     cfg = RunConfig()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -50,11 +56,11 @@ def plain_after_steps(model_dir, batch, steps: int) -> dict[str, torch.Tensor]:
     policy_loss = algorithms.PolicyLoss(cfg.actor, cfg.sampler.response_length)
     for _ in range(steps):
         optimizer.zero_grad()
-        for micro in micro_batches(batch, 4):
+        for micro in micro_batches(batch, micro_size):
             t = pad_batch(micro, pad_id=1, device=torch.device("cpu"))
             log_prob, entropy = token_logprobs(model, t, batch.temperature)
             loss, _ = policy_loss(log_prob, log_prob.detach(), t["advantages"], t["response_mask"],
-                                  batch.num_tokens(), len(batch), 1, entropy=entropy)
+                                  whole.num_tokens(), len(whole), 1, entropy=entropy)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algorithm.grad_clip)
         optimizer.step()
@@ -131,9 +137,18 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_model_dir, bat
         torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_cluster, tiny_model_dir, batch):
-    """Each rank holds a shard and trains on half the batch; the published bundle is the whole, updated model."""
+@pytest.mark.parametrize("alike", [False, True], ids=["", "first_group_scored_alike"])
+def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_cluster, tiny_model_dir, batch, alike):
+    """Each rank holds a shard and trains on half the batch; the published bundle is the whole, updated model.
+    With the first group scored alike (zero advantages), the ranks train two rows each of the second group: a
+    plain process training those rows in micro-batches of two, with the whole batch's counts, is the reference
+    (AdamW's first update of near-zero gradients moves with their summation order; that leaving the rows out
+    changes the gradient only by rounding is checked in test_algorithms.py and test_train_step_settings.py)."""
     from rl_tpu import sync
+
+    if alike:
+        batch = dataclasses.replace(batch, advantages=[[0.0] * len(a) if i < 4 else a
+                                                       for i, a in enumerate(batch.advantages)])
 
     cfg = RunConfig()
     cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size, cfg.trainer.world_size = "cpu", 1e-3, 4, 2
@@ -142,7 +157,8 @@ def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_clus
     port = free_port()
     ranks = [ray_cluster.remote(TrainerWorker).options(num_cpus=1).remote(cfg, str(tiny_model_dir), r, 2, "127.0.0.1",
                                                                           port) for r in range(2)]
-    ray_cluster.get([r.train_step.remote(batch) for r in ranks])
+    metrics = ray_cluster.get([r.train_step.remote(batch) for r in ranks])
+    assert [m["perf/rows_skipped_frac"] for m in metrics] == [0.5 if alike else 0.0] * 2
     parts = ray_cluster.get([r.publish_weights.remote(1) for r in ranks])
     gathered = ray_cluster.get([r.full_state_dict.remote() for r in ranks])[0]  # one full gather, for comparison
     ray_cluster.get([r.shutdown.remote() for r in ranks])
@@ -156,7 +172,8 @@ def test_two_fsdp_ranks_train_like_one_process_and_publish_full_weights(ray_clus
     # streamed bucket by bucket from the shards: bit for bit the full gather
     assert set(published) == set(gathered)
     assert all(torch.equal(published[name], gathered[name]) for name in published)
-    plain = plain_after_steps(tiny_model_dir, batch, steps=1)
+    plain = (plain_after_steps(tiny_model_dir, batch.rows_with_signal(2), 1, micro_size=2, whole=batch) if alike
+             else plain_after_steps(tiny_model_dir, batch, steps=1))
     for name, tensor in plain.items():
         torch.testing.assert_close(published[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -193,9 +210,6 @@ def test_a_checkpoint_moves_between_one_unsharded_rank_and_two_fsdp_ranks(ray_cl
 
 
 def test_a_non_finite_loss_skips_the_update_and_training_goes_on(tiny_model_dir, batch):
-    import dataclasses
-    import math
-
     cfg = RunConfig()
     cfg.device, cfg.algorithm.lr, cfg.trainer.micro_batch_size = "cpu", 1e-3, 4
     threads = torch.get_num_threads()
