@@ -294,8 +294,9 @@ class TrainerConfig:
     sort_by_length: bool = True
     # Each distinct prompt of a micro-batch is run once and its keys and values serve every completion of its
     # group (a GRPO group shares its prompt), so a prompt costs 1/sampler.n of its compute; loss and gradients
-    # equal the whole-sequence forward's (fp32: to 1e-6). A compiler sees one more batch size per count of distinct
-    # prompts in a micro-batch (on TPU each is a graph of its own)
+    # equal the whole-sequence forward's (fp32: to 1e-6). The prompts' forward has a batch size per count of
+    # distinct prompts in a micro-batch; with seq_buckets that count is rounded up to a power of two, so a compiler
+    # (on TPU, a graph per shape) sees a few sizes only
     share_prompts: bool = True
     # Rows whose advantages are all zero (a GRPO group whose completions all scored the same) or that are out of
     # the loss get no forward or backward: under the policy losses in rl_tpu/algorithms.py's list, with no KL loss

@@ -41,7 +41,9 @@ def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device,
     With `buckets` (`trainer.seq_buckets`), P and the response length are each rounded up to a bucket,
     so that a compiler sees a few shapes only (TPU graphs are compiled per shape); padding changes no
     token's logprob. With `share_prompts`, `prompt_rows` (the first row of each distinct prompt) and
-    `prompt_index` (each row's position in `prompt_rows`) let `token_logprobs` run each prompt once."""
+    `prompt_index` (each row's position in `prompt_rows`) let `token_logprobs` run each prompt once; with
+    `buckets` too, `prompt_rows` repeats its last row up to a power of two (at most the row count), so that
+    the prompts' forward has a few batch sizes only (the repeats' outputs are not used)."""
     prompt_len = bucketed(max(map(len, batch.prompt_ids)), buckets)
     resp_len = bucketed(max(1, max(map(len, batch.completion_ids))), buckets)
     rows = len(batch)
@@ -71,6 +73,8 @@ def pad_batch(batch: TrainBatch, pad_id: int, device: torch.device,
                 slots[prompt] = len(rows)
                 rows.append(i)
             index.append(slots[prompt])
+        if buckets:
+            rows += rows[-1:] * (min(len(batch), 1 << (len(rows) - 1).bit_length()) - len(rows))
         tensors.update(prompt_rows=torch.tensor(rows), prompt_index=torch.tensor(index))
     return {k: v.to(device) for k, v in tensors.items()}
 
@@ -165,4 +169,5 @@ def forward_positions(t: dict[str, torch.Tensor]) -> tuple[int, int]:
         return int(mask.sum()), mask.numel()
     prompt_len = mask.shape[1] - t["targets"].shape[1]
     prompts, completions = mask[t["prompt_rows"], :prompt_len], mask[:, prompt_len: -1]
-    return int(prompts.sum() + completions.sum()), prompts.numel() + completions.numel()
+    distinct = mask[t["prompt_rows"].unique(), :prompt_len]  # a repeated row (bucketed count) computes no real token
+    return int(distinct.sum() + completions.sum()), prompts.numel() + completions.numel()

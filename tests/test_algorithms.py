@@ -283,6 +283,33 @@ def test_length_buckets_pad_to_a_few_shapes_without_changing_any_logprob(tiny_mo
     torch.testing.assert_close(bucket[:, : exact.shape[1]][mask], exact[mask], rtol=0, atol=1e-5)
 
 
+def test_bucketed_shared_prompts_run_a_power_of_two_of_prompt_rows(tiny_model_dir):
+    """With length buckets (compiled shapes), the prompts' forward runs 1, 2, 4 .. rows (at most the batch's):
+    the last distinct prompt is repeated, and neither a logprob nor the count of real positions changes."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.logprobs import forward_positions
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    batch = make_batch(seed=6, size=12, temperature=1.0)
+    grouped = dataclasses.replace(batch, prompt_ids=[batch.prompt_ids[i - i % 4] for i in range(12)])  # 3 prompts
+    five = dataclasses.replace(batch.shard(0, 2), prompt_ids=[batch.prompt_ids[max(i, 1)] for i in range(6)])
+    cpu = torch.device("cpu")
+    for rows, prompts, bucketed_prompts in [(grouped, 3, 4), (five, 5, 6)]:
+        plain = pad_batch(rows, 1, cpu)
+        shared = pad_batch(rows, 1, cpu, share_prompts=True)
+        bucketed = pad_batch(rows, 1, cpu, buckets=(16, 32), share_prompts=True)
+        assert (len(shared["prompt_rows"]), len(bucketed["prompt_rows"])) == (prompts, bucketed_prompts)
+        # each distinct prompt once, and every completion token (the bucket's last column is padding)
+        distinct = {tuple(p) for p in rows.prompt_ids}
+        assert forward_positions(bucketed)[0] == sum(map(len, distinct)) + sum(map(len, rows.completion_ids))
+        with torch.no_grad():
+            exact, _ = token_logprobs(model, plain, 1.0)
+            bucket, _ = token_logprobs(model, bucketed, 1.0)
+        mask = plain["response_mask"].bool()
+        torch.testing.assert_close(bucket[:, : exact.shape[1]][mask], exact[mask], rtol=0, atol=1e-5)
+
+
 def test_which_importance_weights_the_trainer_applies():
     """auto: token-level in async mode only; a bf16 synchronous run asks for them; bypass_mode has its own."""
     from rl_tpu.config import RolloutIS

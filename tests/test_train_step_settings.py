@@ -68,19 +68,24 @@ def test_sorting_by_length_cuts_padding_and_changes_neither_loss_nor_gradients(t
         torch.testing.assert_close(sorted_grads[name], grad, rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation_checkpointing"])
+@pytest.mark.parametrize("checkpointing,buckets", [(False, []), (True, []), (False, [16])],
+                         ids=["", "activation_checkpointing", "seq_buckets"])
 def test_prompts_run_once_per_group_give_the_whole_sequence_loss_and_gradients(tiny_model_dir, batch, fp32_step,
-                                                                                checkpointing):
+                                                                                checkpointing, buckets):
     """One micro-batch holds the three groups, so each row must get its own group's prompt back; a block that
-    activation checkpointing runs again must see the keys and values it saw the first time."""
+    activation checkpointing runs again must see the keys and values it saw the first time; with length
+    buckets the prompts' forward runs four rows, the last prompt twice, and the repeat must change nothing."""
     whole, whole_grads = fp32_step
     shared, shared_grads = one_step(tiny_model_dir, batch, sort_by_length=False, share_prompts=True,
-                                    micro_batch_size=len(batch), activation_checkpointing=checkpointing)
+                                    micro_batch_size=len(batch), activation_checkpointing=checkpointing,
+                                    seq_buckets=buckets)
     prompt_tokens = sum(map(len, batch.prompt_ids))
     lengths = list(map(len, batch.completion_ids))
     assert whole["perf/train_positions"] == prompt_tokens + sum(lengths)
-    # each group's prompt once; the last completion column predicts nothing, so it is not run
-    assert shared["perf/train_positions"] == prompt_tokens / 4 + sum(min(n, max(lengths) - 1) for n in lengths)
+    # each group's prompt once; the last completion column predicts nothing, so it is not run (with buckets it
+    # is padding, and every completion token is run)
+    last = 16 if buckets else max(lengths) - 1
+    assert shared["perf/train_positions"] == prompt_tokens / 4 + sum(min(n, last) for n in lengths)
     assert shared["actor/loss"] == pytest.approx(whole["actor/loss"], abs=1e-6)
     assert shared["actor/entropy"] == pytest.approx(whole["actor/entropy"], abs=1e-6)
     assert shared["actor/logprob_diff"] == pytest.approx(whole["actor/logprob_diff"], abs=1e-6)
