@@ -162,5 +162,5 @@ def test_a_compiled_rank_compiles_each_width_once_and_computes_the_same_at_both(
     assert wide["graphs"] > narrow["graphs"] > 0  # the wide thread count compiled graphs of its own
     assert narrow_again["graphs"] == wide_again["graphs"] == wide["graphs"]  # and nothing compiles again
     for step in (wide, narrow_again, wide_again):
-        assert step["loss"] == pytest.approx(narrow["loss"], abs=1e-6)
+        assert step["loss"] == pytest.approx(narrow["loss"], rel=1e-5, abs=1e-6)
         assert step["grad_norm"] == pytest.approx(narrow["grad_norm"], rel=1e-5)

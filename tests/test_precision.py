@@ -69,7 +69,7 @@ def test_fsdp_blocks_keep_the_fp32_stream(tiny_model_dir):
             torch.set_num_threads(threads)
     for fp32_residual, log_prob in got.items():
         expected = logprobs_of(bf16_model(tiny_model_dir, fp32_residual), batch)[0]
-        torch.testing.assert_close(log_prob, expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-6)
     assert not torch.equal(got[True], got[False])
 
 

@@ -63,9 +63,9 @@ def test_sorting_by_length_cuts_padding_and_changes_neither_loss_nor_gradients(t
     sorted_, sorted_grads = one_step(tiny_model_dir, batch, sort_by_length=True)
     assert sorted_["perf/padding_frac"] < padded["perf/padding_frac"]
     assert sorted_["perf/train_positions"] == padded["perf/train_positions"]
-    assert sorted_["actor/loss"] == pytest.approx(padded["actor/loss"], abs=1e-6)
+    assert sorted_["actor/loss"] == pytest.approx(padded["actor/loss"], rel=1e-5, abs=1e-6)
     for name, grad in padded_grads.items():
-        torch.testing.assert_close(sorted_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(sorted_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("checkpointing,buckets", [(False, []), (True, []), (False, [16])],
@@ -86,11 +86,11 @@ def test_prompts_run_once_per_group_give_the_whole_sequence_loss_and_gradients(t
     # is padding, and every completion token is run)
     last = 16 if buckets else max(lengths) - 1
     assert shared["perf/train_positions"] == prompt_tokens / 4 + sum(min(n, last) for n in lengths)
-    assert shared["actor/loss"] == pytest.approx(whole["actor/loss"], abs=1e-6)
-    assert shared["actor/entropy"] == pytest.approx(whole["actor/entropy"], abs=1e-6)
-    assert shared["actor/logprob_diff"] == pytest.approx(whole["actor/logprob_diff"], abs=1e-6)
+    assert shared["actor/loss"] == pytest.approx(whole["actor/loss"], rel=1e-5, abs=1e-6)
+    assert shared["actor/entropy"] == pytest.approx(whole["actor/entropy"], rel=1e-5, abs=1e-6)
+    assert shared["actor/logprob_diff"] == pytest.approx(whole["actor/logprob_diff"], rel=1e-5, abs=1e-6)
     for name, grad in whole_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_bf16_training_stays_within_tolerance_of_fp32(tiny_model_dir, batch, fp32_step):
@@ -114,7 +114,7 @@ def test_the_compiled_step_gives_the_eager_loss(tiny_model_dir, batch, fp32_step
     """Compiled with the prompts run once per group (the default), against eager whole sequences."""
     eager, eager_grads = fp32_step
     compiled, compiled_grads = one_step(tiny_model_dir, batch, sort_by_length=False, compile=True, share_prompts=True)
-    assert compiled["actor/loss"] == pytest.approx(eager["actor/loss"], abs=1e-5)
+    assert compiled["actor/loss"] == pytest.approx(eager["actor/loss"], rel=1e-5, abs=1e-5)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -132,11 +132,11 @@ def test_rows_without_advantage_are_not_run_and_change_neither_loss_nor_gradient
     trained = [i for i in range(len(batch)) if i < 4 or i in (8, 10, 11)]
     lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in trained]
     assert skipping["perf/train_positions"] == sum(lengths) < every_row["perf/train_positions"]
-    assert skipping["actor/loss"] == pytest.approx(every_row["actor/loss"], abs=1e-6)
+    assert skipping["actor/loss"] == pytest.approx(every_row["actor/loss"], rel=1e-5, abs=1e-6)
     assert skipping["actor/grad_norm"] == pytest.approx(every_row["actor/grad_norm"], rel=1e-5)
     for name, grad in every_grads.items():
-        torch.testing.assert_close(skipping_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(skipping_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     # with compiled shapes (seq_buckets), whole micro-batches of 4 only: the seven rows and one more
     bucketed, _ = one_step(tiny_model_dir, quiet, sort_by_length=False, skip_zero_advantage_rows=None, seq_buckets=[16])
     assert bucketed["perf/rows_skipped_frac"] == pytest.approx(4 / 12)
-    assert bucketed["actor/loss"] == pytest.approx(every_row["actor/loss"], abs=1e-6)
+    assert bucketed["actor/loss"] == pytest.approx(every_row["actor/loss"], rel=1e-5, abs=1e-6)
