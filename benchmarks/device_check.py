@@ -42,15 +42,27 @@ from record import write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from rl_tpu import controller  # noqa: E402
-from rl_tpu.config import RunConfig, value_of  # noqa: E402
-from rl_tpu.metrics import peak_rss_mb, read_metrics  # noqa: E402
-from rl_tpu.rollout import TrainBatch  # noqa: E402
+from rl_tpu.cluster.memory import peak_rss_mb
+from rl_tpu.config import RunConfig, value_of
+from rl_tpu.controller.run import run as run_training
+from rl_tpu.outputs.metrics import read_metrics
+from rl_tpu.records import TrainBatch
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, by a name
 # fragment of torch.cuda.get_device_name(); the first fragment that matches wins.
-BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0,
-                    "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0, "RTX 4090": 165.0}
+BF16_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "RTX 4090": 165.0,
+}
 
 
 def bf16_peak_tflops(device: str) -> tuple[str, float | None]:
@@ -68,7 +80,7 @@ def copy_gb_per_s(num_bytes: int, device: str, to_host: bool = False, repeats: i
     sync is compared with."""
     import torch
 
-    from rl_tpu.device import Device
+    from rl_tpu.cluster.device import Device
 
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty(num_bytes, dtype=torch.uint8, device="cpu" if to_host else device)
@@ -106,12 +118,17 @@ def figures(run_dir: Path, model_path: Path, device: str, peak_tflops: float | N
     sync_gb_per_s = sync_bytes / median("time/sync_s") / 1e9
     copy = copy_gb_per_s(int(sync_bytes), device)
     return {
-        "parameters": params, "steps_measured": len(measured),
+        "parameters": params,
+        "steps_measured": len(measured),
         "train_tflops_per_s": train_flops / 1e12,
         "mfu": train_flops / 1e12 / peak_tflops if peak_tflops else None,
-        "gen_tokens_per_s": median("perf/gen_tokens_per_s"), "train_tokens_per_s": median("perf/train_tokens_per_s"),
-        "step_s": median("time/step_s"), "logprob_diff": median("actor/logprob_diff"),
-        "sync_bytes": sync_bytes, "sync_gb_per_s": sync_gb_per_s, "device_copy_gb_per_s": copy,
+        "gen_tokens_per_s": median("perf/gen_tokens_per_s"),
+        "train_tokens_per_s": median("perf/train_tokens_per_s"),
+        "step_s": median("time/step_s"),
+        "logprob_diff": median("actor/logprob_diff"),
+        "sync_bytes": sync_bytes,
+        "sync_gb_per_s": sync_gb_per_s,
+        "device_copy_gb_per_s": copy,
         "sync_vs_copy": sync_gb_per_s / copy,
     }
 
@@ -131,10 +148,13 @@ def tiny_config(device: str, steps: int, warm_start_steps: int, cache_dir: Path)
 def check_tiny(args, tmp: Path, peak: float | None) -> dict:
     cfg = tiny_config(args.device, args.steps, args.warm_start_steps, tmp / "cache")
     started = time.perf_counter()
-    controller.run(cfg, tmp / "tiny", show_progress=False)
+    run_training(cfg, tmp / "tiny", show_progress=False)
     (model_path,) = (tmp / "cache" / "models").glob("tiny_arith-*")
-    return {"workload": "tiny_arith, fp32, 8 prompts x 8 completions x 16 tokens",
-            "wall_s": time.perf_counter() - started, **figures(tmp / "tiny", model_path, args.device, peak)}
+    return {
+        "workload": "tiny_arith, fp32, 8 prompts x 8 completions x 16 tokens",
+        "wall_s": time.perf_counter() - started,
+        **figures(tmp / "tiny", model_path, args.device, peak),
+    }
 
 
 def check_real_size(args, tmp: Path, peak: float | None) -> dict:
@@ -142,15 +162,19 @@ def check_real_size(args, tmp: Path, peak: float | None) -> dict:
 
     model = real_size.build_model_in_subprocess(tmp / "model")
     train, test = real_size.prepare_data(args.gsm8k, tmp / "data")
-    options = argparse.Namespace(device=args.device, prompts=8, n=4, new_tokens=128, micro_batch_size=2,
-                                 warmup=1, steps=2)
+    options = argparse.Namespace(
+        device=args.device, prompts=8, n=4, new_tokens=128, micro_batch_size=2, warmup=1, steps=2
+    )
     cfg = real_size.run_config(model, train, test, 1, options)
     if args.device != "cpu":
         cfg.sampler.kv_cache_gb, cfg.sampler.enforce_eager = None, False
     started = time.perf_counter()
-    controller.run(cfg, tmp / "real", show_progress=False)
-    return {"workload": "Qwen2.5-0.5B shape, bf16, GSM8K, 8 prompts x 4 completions x 128 tokens, world size 1",
-            "wall_s": time.perf_counter() - started, **figures(tmp / "real", model, args.device, peak)}
+    run_training(cfg, tmp / "real", show_progress=False)
+    return {
+        "workload": "Qwen2.5-0.5B shape, bf16, GSM8K, 8 prompts x 4 completions x 128 tokens, world size 1",
+        "wall_s": time.perf_counter() - started,
+        **figures(tmp / "real", model, args.device, peak),
+    }
 
 
 def grpo_batch(prompts: int, n: int, prompt_len: int, completion_len: int, vocab: int) -> TrainBatch:
@@ -188,11 +212,13 @@ def reference_logprobs(model_path: Path, batch: TrainBatch, device: str) -> list
             ids = torch.zeros(len(rows), width, dtype=torch.long)
             for r, i in enumerate(rows):
                 seq = [*prompt, *batch.completion_ids[i]]
-                ids[r, :len(seq)] = torch.tensor(seq)
+                ids[r, : len(seq)] = torch.tensor(seq)
             logits = model(ids.to(device)).logits.float() / batch.temperature
-            logprobs = logits[:, len(prompt) - 1:-1].log_softmax(-1).gather(-1, ids[:, len(prompt):, None].to(device))
+            logprobs = (
+                logits[:, len(prompt) - 1 : -1].log_softmax(-1).gather(-1, ids[:, len(prompt) :, None].to(device))
+            )
             for r, i in enumerate(rows):
-                out[i] = logprobs[r, :len(batch.completion_ids[i]), 0].tolist()
+                out[i] = logprobs[r, : len(batch.completion_ids[i]), 0].tolist()
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -202,7 +228,7 @@ def reference_logprobs(model_path: Path, batch: TrainBatch, device: str) -> list
 def trainer_model(shape: str, folder: Path) -> Path:
     if shape == "tiny":
         from rl_tpu.config import DataConfig, TinyModelConfig
-        from rl_tpu.models import build_tiny_arith
+        from rl_tpu.models.resolve import build_tiny_arith
 
         build_tiny_arith(TinyModelConfig(warm_start_steps=0), DataConfig(), folder)
         return folder
@@ -213,11 +239,10 @@ def trainer_model(shape: str, folder: Path) -> Path:
 
 def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     import torch
+    from logprob_gap import free_port
     from omegaconf import OmegaConf
 
-    from logprob_gap import free_port
-
-    from rl_tpu.trainer import TrainerWorker
+    from rl_tpu.trainer.worker import TrainerWorker
 
     model_path = trainer_model(args.trainer_shape, tmp / f"trainer-{args.trainer_shape}")
     vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
@@ -253,20 +278,30 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     memory = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else peak_rss_mb() / 2**10
     return {
         "workload": f"{args.trainer_shape} shape, {value_of(cfg.model.dtype)}, "
-                    f"{args.prompts} prompts x {args.n} sequences, "
-                    f"prompts of {args.prompt_len} and completions of 1-{args.completion_len} tokens, "
-                    f"micro-batches of {args.micro_batch_size}, compile={args.compile}, world size 1"
-                    + "".join(f", {setting}" for setting in args.set),
+        f"{args.prompts} prompts x {args.n} sequences, "
+        f"prompts of {args.prompt_len} and completions of 1-{args.completion_len} tokens, "
+        f"micro-batches of {args.micro_batch_size}, compile={args.compile}, world size 1"
+        + "".join(f", {setting}" for setting in args.set),
         "trainer_settings": OmegaConf.to_container(OmegaConf.structured(cfg.trainer), enum_to_str=True),
-        "parameters": params, "steps_measured": len(measured),
-        "step_s": train_s, "train_s_each_step": [r["time/train_s"] for r in steps],
-        "train_tflops_per_s": train_flops / 1e12, "mfu": train_flops / 1e12 / peak if peak else None,
-        "train_positions": positions, "padding_frac": measured[0]["perf/padding_frac"],
+        "parameters": params,
+        "steps_measured": len(measured),
+        "step_s": train_s,
+        "train_s_each_step": [r["time/train_s"] for r in steps],
+        "train_tflops_per_s": train_flops / 1e12,
+        "mfu": train_flops / 1e12 / peak if peak else None,
+        "train_positions": positions,
+        "padding_frac": measured[0]["perf/padding_frac"],
         "train_tokens_per_s": positions / train_s,
-        "peak_memory_gib": memory, "logprob_diff_first_step": steps[0]["actor/logprob_diff"],
-        "loss": [r["actor/loss"] for r in steps], "grad_norm": [r["actor/grad_norm"] for r in steps],
-        "sync_bytes": first["bytes"], "gather_to_host_s": gather_s, "sync_gb_per_s": first["gb_per_s"],
-        "device_to_host_copy_gb_per_s": copy, "sync_vs_copy": first["gb_per_s"] / copy, "publish": publish,
+        "peak_memory_gib": memory,
+        "logprob_diff_first_step": steps[0]["actor/logprob_diff"],
+        "loss": [r["actor/loss"] for r in steps],
+        "grad_norm": [r["actor/grad_norm"] for r in steps],
+        "sync_bytes": first["bytes"],
+        "gather_to_host_s": gather_s,
+        "sync_gb_per_s": first["gb_per_s"],
+        "device_to_host_copy_gb_per_s": copy,
+        "sync_vs_copy": first["gb_per_s"] / copy,
+        "publish": publish,
         "profile": profile,
     }
 
@@ -277,18 +312,24 @@ def publish_and_fetch(worker, trained: dict, transport_name: str, shm_dir: str) 
     import ray
     import torch
 
-    from rl_tpu import sync
+    from rl_tpu.sync.endpoints import pack_buckets, unpack
+    from rl_tpu.sync.registry import make_transport
 
     if transport_name == "object_store":
-        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=2 * sum(t.nbytes for t in trained.values()) + 2**28)
-    transport = sync.make_transport(transport_name, shm_dir)
+        ray.init(
+            address="local",
+            num_cpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=2 * sum(t.nbytes for t in trained.values()) + 2**28,
+        )
+    transport = make_transport(transport_name, shm_dir)
     try:
         start = time.perf_counter()
-        bundle = sync.pack_buckets(worker.served_buckets(), version=1, transport=transport)
+        bundle = pack_buckets(worker.served_buckets(), version=1, transport=transport)
         publish_s = time.perf_counter() - start
         start = time.perf_counter()
-        fetched, _ = sync.unpack(bundle)
+        fetched, _ = unpack(bundle)
         fetch_s = time.perf_counter() - start
         mismatched = [name for name, tensor in fetched if not torch.equal(tensor, trained[name].to(tensor.dtype))]
         num_bytes = sum(tensor.nbytes for _, tensor in fetched)
@@ -296,8 +337,14 @@ def publish_and_fetch(worker, trained: dict, transport_name: str, shm_dir: str) 
         transport.close()
         if ray.is_initialized():
             ray.shutdown()
-    return {"bytes": num_bytes, "publish_s": publish_s, "gb_per_s": num_bytes / publish_s / 1e9,
-            "fetch_verify_s": fetch_s, "tensors": len(fetched), "mismatched": mismatched}
+    return {
+        "bytes": num_bytes,
+        "publish_s": publish_s,
+        "gb_per_s": num_bytes / publish_s / 1e9,
+        "fetch_verify_s": fetch_s,
+        "tensors": len(fetched),
+        "mismatched": mismatched,
+    }
 
 
 def with_settings(cfg: RunConfig, settings: list[str]) -> RunConfig:
@@ -318,16 +365,21 @@ def profiled_step(worker, batch: TrainBatch, device: str) -> dict:
     events = prof.key_averages()
     busy = (lambda e: e.self_device_time_total) if device == "cuda" else (lambda e: e.self_cpu_time_total)
     top = sorted(events, key=busy, reverse=True)[:25]
-    return {"train_s": wall, "busy_s": sum(map(busy, events)) / 1e6,
-            "top_ops": [{"op": e.key, "self_s": busy(e) / 1e6, "calls": e.count} for e in top]}
+    return {
+        "train_s": wall,
+        "busy_s": sum(map(busy, events)) / 1e6,
+        "top_ops": [{"op": e.key, "self_s": busy(e) / 1e6, "calls": e.count} for e in top],
+    }
 
 
 def report(label: str, check: dict, peak: float | None) -> None:
     mfu = f"MFU {100 * check['mfu']:.1f}% of {peak:g} TFLOP/s" if check["mfu"] is not None else "MFU n/a"
     generated = f", {check['gen_tokens_per_s']:.0f} generated tokens/s" if "gen_tokens_per_s" in check else ""
     copy = check.get("device_copy_gb_per_s", check.get("device_to_host_copy_gb_per_s"))
-    print(f"{label}: {check['train_tflops_per_s']:.3f} TFLOP/s in training ({mfu}){generated}, weight sync "
-          f"{check['sync_gb_per_s']:.2f} GB/s vs a copy {copy:.1f} GB/s; {check['step_s']:.2f} s/step")
+    print(
+        f"{label}: {check['train_tflops_per_s']:.3f} TFLOP/s in training ({mfu}){generated}, weight sync "
+        f"{check['sync_gb_per_s']:.2f} GB/s vs a copy {copy:.1f} GB/s; {check['step_s']:.2f} s/step"
+    )
 
 
 CHECKS = {"tiny": check_tiny, "real_size": check_real_size, "trainer": check_trainer}
@@ -349,11 +401,20 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.add_argument("--micro-batch-size", type=int, default=16)
     trainer.add_argument("--compile", action="store_true", help="trainer.compile")
     trainer.add_argument("--profile", action="store_true", help="profile one more step: where its time goes")
-    trainer.add_argument("--transports", nargs="+", choices=["shm_file", "object_store"],
-                         default=["shm_file", "object_store"],
-                         help="publish and fetch through each (the first is the figure printed)")
-    trainer.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                         help="run settings over the check's own, e.g. trainer.logprob_chunk_size=512")
+    trainer.add_argument(
+        "--transports",
+        nargs="+",
+        choices=["shm_file", "object_store"],
+        default=["shm_file", "object_store"],
+        help="publish and fetch through each (the first is the figure printed)",
+    )
+    trainer.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run settings over the check's own, e.g. trainer.logprob_chunk_size=512",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out = args.out or REPO / "benchmarks" / "results" / f"device_check_{args.device}.json"
@@ -365,8 +426,15 @@ def main(argv: list[str] | None = None) -> dict:
             if label in args.checks:
                 checks[label] = check(args, Path(tmp), peak)
                 report(label, checks[label], peak)
-    return write_record(out, load_before, device=args.device, accelerator=name, bf16_peak_tflops=peak,
-                        args={k: str(v) for k, v in vars(args).items()}, checks=checks)
+    return write_record(
+        out,
+        load_before,
+        device=args.device,
+        accelerator=name,
+        bf16_peak_tflops=peak,
+        args={k: str(v) for k, v in vars(args).items()},
+        checks=checks,
+    )
 
 
 if __name__ == "__main__":

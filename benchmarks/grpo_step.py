@@ -49,15 +49,18 @@ from record import cpu_facts, write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from rl_tpu import controller  # noqa: E402
-from rl_tpu.config import DataConfig, RunConfig, TinyModelConfig  # noqa: E402
-from rl_tpu.data import arithmetic_rows, batches, load_examples, write_verl_parquet  # noqa: E402
-from rl_tpu.grader import Grader  # noqa: E402
-from rl_tpu.metrics import peak_rss_mb  # noqa: E402
-from rl_tpu.models import build_tiny_arith  # noqa: E402
-from rl_tpu.precision import cpu_has_native_bf16  # noqa: E402
-from rl_tpu.rollout_queue import RolloutQueue  # noqa: E402
-from rl_tpu.workers import start_workers  # noqa: E402
+from rl_tpu.cluster.memory import peak_rss_mb
+from rl_tpu.cluster.placement import start_ray
+from rl_tpu.config import DataConfig, RunConfig, TinyModelConfig
+from rl_tpu.controller.actors import start_workers
+from rl_tpu.controller.checks import validate
+from rl_tpu.controller.rollouts import RolloutQueue
+from rl_tpu.controller.step import grpo_step
+from rl_tpu.data.arithmetic import arithmetic_rows
+from rl_tpu.data.datasets import batches, load_examples, write_verl_parquet
+from rl_tpu.grader.grader import Grader
+from rl_tpu.models.precision import cpu_has_native_bf16
+from rl_tpu.models.resolve import build_tiny_arith
 
 NUM_PROBLEMS = 1024
 
@@ -94,25 +97,38 @@ class Variant:
 
     @property
     def name(self) -> str:
-        return (f"{self.mode} {'fp32' if self.dtype == 'float32' else 'bf16'} trainer {self.trainer_threads}t"
-                f"{' compiled' if self.compile else ''} engine {self.engine_threads}t"
-                f"{' compiled' if self.engine_compile else ''}"
-                f"{'' if self.share_prompts else ' unshared'}{'' if self.borrow else ' no loan'}")
+        return (
+            f"{self.mode} {'fp32' if self.dtype == 'float32' else 'bf16'} trainer {self.trainer_threads}t"
+            f"{' compiled' if self.compile else ''} engine {self.engine_threads}t"
+            f"{' compiled' if self.engine_compile else ''}"
+            f"{'' if self.share_prompts else ' unshared'}{'' if self.borrow else ' no loan'}"
+        )
 
 
 # sync: the sides take turns, so each may use both cores; async: one core each (pinned, the trainer borrowing the
 # engine's while it is idle), or the engine on two; and the pinned layout in each dtype without the loan (eager and
 # compiled) and with every prompt run per completion, the baselines of trainer.borrow_idle_cores and
 # trainer.share_prompts
-VARIANTS = [Variant(mode, dtype, 2 if mode == "sync" else 1, engine, compiled)
-            for dtype in ("float32", "bfloat16") for mode in ("sync", "async") for engine in (1, 2)
-            for compiled in (False, True) if not compiled or (engine == 1 and mode == "async")]
-VARIANTS += [Variant("async", dtype, 1, 1, compiled, borrow=False) for dtype in ("float32", "bfloat16")
-             for compiled in (False, True)]
+VARIANTS = [
+    Variant(mode, dtype, 2 if mode == "sync" else 1, engine, compiled)
+    for dtype in ("float32", "bfloat16")
+    for mode in ("sync", "async")
+    for engine in (1, 2)
+    for compiled in (False, True)
+    if not compiled or (engine == 1 and mode == "async")
+]
+VARIANTS += [
+    Variant("async", dtype, 1, 1, compiled, borrow=False)
+    for dtype in ("float32", "bfloat16")
+    for compiled in (False, True)
+]
 VARIANTS += [Variant("async", dtype, 1, 1, share_prompts=False) for dtype in ("float32", "bfloat16")]
 # and the pinned layout with a compiled engine, beside an eager and a compiled trainer
-VARIANTS += [Variant("async", dtype, 1, 1, compiled, engine_compile=True) for dtype in ("float32", "bfloat16")
-             for compiled in (False, True)]
+VARIANTS += [
+    Variant("async", dtype, 1, 1, compiled, engine_compile=True)
+    for dtype in ("float32", "bfloat16")
+    for compiled in (False, True)
+]
 
 
 def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
@@ -140,8 +156,8 @@ def reference_config(model: Path, data: Path, variant: Variant) -> RunConfig:
 
 
 def parameter_count(model: Path) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
@@ -149,12 +165,17 @@ def parameter_count(model: Path) -> int:
 
 def matmul_peak(threads: int, dtype: str, size: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of the best of `repeats` square matmuls on `threads` threads, in a process of its own."""
-    code = (f"import torch, time; torch.set_num_threads({threads}); a = torch.randn({size}, {size}, dtype=torch.{dtype})"
-            f"; b = a.clone(); a @ b; best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) "
-            f"for _ in range({repeats})); print(2 * {size}**3 / best)")
+    code = (
+        f"import torch, time; torch.set_num_threads({threads}); a = torch.randn({size}, {size}, dtype=torch.{dtype})"
+        f"; b = a.clone(); a @ b; best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) "
+        f"for _ in range({repeats})); print(2 * {size}**3 / best)"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                env=env, timeout=600).stdout)
+    return float(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, timeout=600
+        ).stdout
+    )
 
 
 def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int, warmup: int) -> dict:
@@ -163,7 +184,7 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
     run_dir.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
-    controller.validate(cfg)
+    validate(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model)
     examples = load_examples(cfg.data.train_files, tokenizer, cfg.data)
     grader = Grader(cfg.reward)
@@ -173,7 +194,7 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
     try:
         queue = RolloutQueue(workers, batches(examples, cfg.data.train_batch_size, cfg.data.seed), cfg, taken=0)
         for step in range(1, warmup + steps + 1):
-            rows.append(controller.grpo_step(step, queue, workers, tokenizer, grader, cfg)[0])
+            rows.append(grpo_step(step, queue, workers, tokenizer, grader, cfg)[0])
             if step < warmup + steps:
                 queue.fill_after(step)
         pinned = json.loads((run_dir / "placement.json").read_text())
@@ -187,11 +208,19 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
 
     step_s = [r["time/step_s"] for r in timed]
     return {
-        "variant": variant.name, **variant.__dict__, "step_s_warmup": [r["time/step_s"] for r in rows[:warmup]],
-        "step_s": statistics.median(step_s), "step_s_min": min(step_s), "step_s_max": max(step_s), "step_s_each": step_s,
-        "generate_wait_s": median("time/generate_s"), "reward_s": median("time/reward_s"),
-        "train_s": median("time/train_s"), "sync_s": median("time/sync_s"),
-        "publish_s": median("time/publish_s"), "receive_s": median("sync/receive_s"),
+        "variant": variant.name,
+        **variant.__dict__,
+        "step_s_warmup": [r["time/step_s"] for r in rows[:warmup]],
+        "step_s": statistics.median(step_s),
+        "step_s_min": min(step_s),
+        "step_s_max": max(step_s),
+        "step_s_each": step_s,
+        "generate_wait_s": median("time/generate_s"),
+        "reward_s": median("time/reward_s"),
+        "train_s": median("time/train_s"),
+        "sync_s": median("time/sync_s"),
+        "publish_s": median("time/publish_s"),
+        "receive_s": median("sync/receive_s"),
         "trainer_idle_s": median("time/trainer_idle_s"),
         "trainer_borrowed_s": median("time/trainer_borrowed_s"),
         "sampler_idle_s": statistics.median(r.get("time/sampler_idle_s", float("nan")) for r in timed),
@@ -202,7 +231,8 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
         "sampler_peak_rss_mb": max(r.get("perf/sampler_peak_rss_mb", 0.0) for r in rows),  # async: from step 2
         "staleness": median("rollout/staleness"),
         "actors": [{k: a.get(k) for k in ("actor", "pid")} for a in pinned["actors"]],
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
     }
 
 
@@ -219,50 +249,87 @@ def run_trl(python: Path, model: Path, data: Path, bf16: bool, steps: int, warmu
     import ray
 
     ray.shutdown()
-    command = [str(python), str(REPO / "benchmarks" / "peer_trl.py"), "--model", str(model), "--data", str(data),
-               "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", "--out", str(out)]
+    command = [
+        str(python),
+        str(REPO / "benchmarks" / "peer_trl.py"),
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--threads",
+        "2",
+        "--out",
+        str(out),
+    ]
     subprocess.run(command + (["--bf16"] if bf16 else []), check=True, timeout=3600)
     record = json.loads(out.read_text())
-    return {**record, "step_s_min": record["min"], "step_s_max": record["max"],
-            "variant": f"TRL {'bf16' if bf16 else 'fp32'} 2t", "dtype": "bfloat16" if bf16 else "float32"}
+    return {
+        **record,
+        "step_s_min": record["min"],
+        "step_s_max": record["max"],
+        "variant": f"TRL {'bf16' if bf16 else 'fp32'} 2t",
+        "dtype": "bfloat16" if bf16 else "float32",
+    }
 
 
 def pair_ratios(pairs: list[dict], trl_runs: list[dict]) -> dict[str, float]:
     """rl_tpu's best variant per dtype over TRL's in the same dtype, and bf16 over TRL's fp32 (the issue's targets):
     the medians of the pairs' step times, and, stricter, against TRL's fastest run of the invocation (grid or pair)."""
+
     def median_step(side: str, dtype: str) -> float | None:
         times = [p[side]["step_s"] for p in pairs if p[side]["dtype"] == dtype]
         return statistics.median(times) if times else None
 
     ours = {dtype: median_step("rl_tpu", dtype) for dtype in ("float32", "bfloat16")}
     theirs = {dtype: median_step("trl", dtype) for dtype in ("float32", "bfloat16")}
-    fastest = {dtype: min((r["step_s"] for r in trl_runs if r["dtype"] == dtype), default=None)
-               for dtype in ("float32", "bfloat16")}
-    wanted = {"fp32 / TRL fp32": ("float32", "float32"), "bf16 / TRL bf16": ("bfloat16", "bfloat16"),
-              "bf16 / TRL fp32": ("bfloat16", "float32")}
+    fastest = {
+        dtype: min((r["step_s"] for r in trl_runs if r["dtype"] == dtype), default=None)
+        for dtype in ("float32", "bfloat16")
+    }
+    wanted = {
+        "fp32 / TRL fp32": ("float32", "float32"),
+        "bf16 / TRL bf16": ("bfloat16", "bfloat16"),
+        "bf16 / TRL fp32": ("bfloat16", "float32"),
+    }
     ratios = {f"rl_tpu {name}": ours[a] / theirs[b] for name, (a, b) in wanted.items() if ours[a] and theirs[b]}
-    ratios |= {f"rl_tpu {name}'s fastest run": ours[a] / fastest[b] for name, (a, b) in wanted.items()
-               if ours[a] and fastest[b]}
+    ratios |= {
+        f"rl_tpu {name}'s fastest run": ours[a] / fastest[b]
+        for name, (a, b) in wanted.items()
+        if ours[a] and fastest[b]
+    }
     return ratios
 
 
 def show(run: dict) -> None:
     extra = ""
     if "train_s" in run:
-        extra = (f" | generate wait {run['generate_wait_s']:.3f}, train {run['train_s']:.3f}, sync {run['sync_s']:.3f} "
-                 f"(publish {run['publish_s']:.3f}, engine receive {run['receive_s']:.3f}); "
-                 f"idle trainer {run['trainer_idle_s']:.3f} sampler {run['sampler_idle_s']:.3f}; trainer on engine "
-                 f"cores {run['trainer_borrowed_s']:.3f}; train "
-                 f"{run['train_flop_per_s'] / 1e9:.0f} GFLOP/s = {run['train_flop_of_peak']:.2f} of peak; padding "
-                 f"{run['padding_frac']:.1%}")
-    print(f"{run['variant']:<42} {run['step_s']:.3f} s/step (min {run['step_s_min']:.3f}, max "
-          f"{run['step_s_max']:.3f}){extra}; load {run['load_average_after'][0]:.2f}", flush=True)
+        extra = (
+            f" | generate wait {run['generate_wait_s']:.3f}, train {run['train_s']:.3f}, sync {run['sync_s']:.3f} "
+            f"(publish {run['publish_s']:.3f}, engine receive {run['receive_s']:.3f}); "
+            f"idle trainer {run['trainer_idle_s']:.3f} sampler {run['sampler_idle_s']:.3f}; trainer on engine "
+            f"cores {run['trainer_borrowed_s']:.3f}; train "
+            f"{run['train_flop_per_s'] / 1e9:.0f} GFLOP/s = {run['train_flop_of_peak']:.2f} of peak; padding "
+            f"{run['padding_frac']:.1%}"
+        )
+    print(
+        f"{run['variant']:<42} {run['step_s']:.3f} s/step (min {run['step_s_min']:.3f}, max "
+        f"{run['step_s_max']:.3f}){extra}; load {run['load_average_after'][0]:.2f}",
+        flush=True,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS],
-                        help="names as printed, e.g. 'async bf16 trainer 1t engine 1t'")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[v.name for v in VARIANTS],
+        help="names as printed, e.g. 'async bf16 trainer 1t engine 1t'",
+    )
     parser.add_argument("--steps", type=int, default=5)
     # DESIGN.md's reference figure warms up 1 step, as TRL's runs do; a compiled trainer that borrows cores compiles
     # each block once per thread count as each first occurs, which took up to 8 steps here
@@ -270,15 +337,22 @@ def main() -> None:
     parser.add_argument("--peer-warmup", type=int, default=1, help="TRL's warm-up steps")
     parser.add_argument("--peer", choices=["trl"], help="also run Hugging Face TRL's GRPOTrainer (own venv)")
     parser.add_argument("--pairs", type=int, default=2, help="A B rounds of the best variants against TRL")
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
-                        help="default: float32, and bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        help="default: float32, and bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "grpo_step.json")
     args = parser.parse_args()
     native_bf16 = cpu_has_native_bf16()
     dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16 else ["float32"])
     if not native_bf16 and not args.dtypes:
-        print(f"{cpu_facts().get('cpu')}: no native bf16 (AVX512-BF16 or AMX), where a bf16 matmul runs far below fp32; "
-              "bf16 variants left out (--dtypes float32 bfloat16 runs them)", flush=True)
+        print(
+            f"{cpu_facts().get('cpu')}: no native bf16 (AVX512-BF16 or AMX), where a bf16 matmul runs far below fp32; "
+            "bf16 variants left out (--dtypes float32 bfloat16 runs them)",
+            flush=True,
+        )
     chosen = [v for v in VARIANTS if v.name in args.variants and v.dtype in dtypes]
     unknown = set(args.variants) - {v.name for v in VARIANTS}
     if unknown:
@@ -297,7 +371,7 @@ def main() -> None:
         params = parameter_count(model)
 
         def rl_tpu(variant: Variant, tag: str) -> dict:
-            controller.start_ray(reference_config(model, data, variant).ray)  # again after a TRL run stopped it
+            start_ray(reference_config(model, data, variant).ray)  # again after a TRL run stopped it
             run = measure(variant, model, data, Path(tmp) / f"run-{len(runs) + len(pairs)}", args.steps, args.warmup)
             add_rates(run, params, peaks)
             run["round"] = tag
@@ -319,14 +393,27 @@ def main() -> None:
                 for i in range(args.pairs):
                     a, b = rl_tpu(variant, f"pair {i + 1}"), trl(dtype == "bfloat16", f"pair {i + 1}")
                     pairs.append({"rl_tpu": a, "trl": b, "ratio": a["step_s"] / b["step_s"]})
-                    print(f"pair {i + 1}: {a['variant']} / {b['variant']} = {a['step_s'] / b['step_s']:.2f}", flush=True)
+                    print(
+                        f"pair {i + 1}: {a['variant']} / {b['variant']} = {a['step_s'] / b['step_s']:.2f}", flush=True
+                    )
     ratios = pair_ratios(pairs, [r for r in runs + [p["trl"] for p in pairs] if r["variant"].startswith("TRL")])
     print("ratios: the median of rl_tpu's step times in the pairs over TRL's (or over TRL's fastest run)", flush=True)
     for name, ratio in ratios.items():
         print(f"  {name}: {ratio:.2f}", flush=True)
-    record = write_record(args.out, load_before, steps=args.steps, warmup=args.warmup, peer_warmup=args.peer_warmup,
-                          parameters=params, native_bf16=native_bf16, matmul_peak_flop_per_s=peaks,
-                          driver_peak_rss_mb=peak_rss_mb(), runs=runs, pairs=pairs, ratios=ratios)
+    record = write_record(
+        args.out,
+        load_before,
+        steps=args.steps,
+        warmup=args.warmup,
+        peer_warmup=args.peer_warmup,
+        parameters=params,
+        native_bf16=native_bf16,
+        matmul_peak_flop_per_s=peaks,
+        driver_peak_rss_mb=peak_rss_mb(),
+        runs=runs,
+        pairs=pairs,
+        ratios=ratios,
+    )
     print(f"driver peak RSS {record['driver_peak_rss_mb']:.0f} MiB")
 
 

@@ -38,10 +38,20 @@ FLOOR = 0.06  # the narrowest band: noise that a machine of another kind may add
 def run_sweep(sweep_dir: Path, cases: list[str], seed: int) -> dict[str, list[float]]:
     """Each case's reward/mean by step, from one sweep (trial i runs cases[i]) in a fresh `sweep_dir`."""
     shutil.rmtree(sweep_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "rl_tpu.main", "-m", f"hydra.searchpath=[file://{CONFIGS}]",
-               "+recipe=learning_digits", f"+learning_case={','.join(cases)}", "hydra/launcher=ray",
-               "ray.num_cpus=4", f"sampler.seed={seed}", f"hydra.sweep.dir={sweep_dir}",
-               f"cache_dir={sweep_dir / 'cache'}"]
+    command = [
+        sys.executable,
+        "-m",
+        "rl_tpu.main",
+        "-m",
+        f"hydra.searchpath=[file://{CONFIGS}]",
+        "+recipe=learning_digits",
+        f"+learning_case={','.join(cases)}",
+        "hydra/launcher=ray",
+        "ray.num_cpus=4",
+        f"sampler.seed={seed}",
+        f"hydra.sweep.dir={sweep_dir}",
+        f"cache_dir={sweep_dir / 'cache'}",
+    ]
     subprocess.run(command, cwd=REPO, check=True, timeout=1800, stdout=subprocess.DEVNULL)
     curves = {}
     for i, case in enumerate(cases):
@@ -51,7 +61,7 @@ def run_sweep(sweep_dir: Path, cases: list[str], seed: int) -> dict[str, list[fl
 
 
 def blocks(curve: list[float], size: int = BLOCK) -> list[float]:
-    return [statistics.fmean(curve[i: i + size]) for i in range(0, len(curve) - size + 1, size)]
+    return [statistics.fmean(curve[i : i + size]) for i in range(0, len(curve) - size + 1, size)]
 
 
 def compare(case: str, curve: list[float], reference_case: str, reference: dict) -> dict:
@@ -62,31 +72,47 @@ def compare(case: str, curve: list[float], reference_case: str, reference: dict)
     worst = max(range(len(moved)), key=lambda i: abs(moved[i]) - recorded["band"][i])
     ok = len(got) == len(recorded["mean"]) and all(abs(d) <= b for d, b in zip(moved, recorded["band"]))
     where = f"steps {worst * size + 1}-{(worst + 1) * size}"
-    message = (f"{case}: the reward curve stays within the band around {reference_case}'s recorded curve "
-               f"(largest move {moved[worst]:+.3f} at {where}, band {recorded['band'][worst]:.3f})" if ok else
-               f"{case}: the reward curve left the band around {reference_case}'s recorded curve: it moved "
-               f"{moved[worst]:+.3f} at {where} (band {recorded['band'][worst]:.3f}); block means "
-               f"{[round(g, 3) for g in got]}, recorded {[round(m, 3) for m in recorded['mean']]}")
-    return {"case": case, "reference": reference_case, "ok": ok, "moved": moved, "blocks": got, "curve": curve,
-            "message": message}
+    message = (
+        f"{case}: the reward curve stays within the band around {reference_case}'s recorded curve "
+        f"(largest move {moved[worst]:+.3f} at {where}, band {recorded['band'][worst]:.3f})"
+        if ok
+        else f"{case}: the reward curve left the band around {reference_case}'s recorded curve: it moved "
+        f"{moved[worst]:+.3f} at {where} (band {recorded['band'][worst]:.3f}); block means "
+        f"{[round(g, 3) for g in got]}, recorded {[round(m, 3) for m in recorded['mean']]}"
+    )
+    return {
+        "case": case,
+        "reference": reference_case,
+        "ok": ok,
+        "moved": moved,
+        "blocks": got,
+        "curve": curve,
+        "message": message,
+    }
 
 
 def record(seeds: int, work: Path) -> None:
     load_before, started = os.getloadavg(), time.monotonic()
     per_seed = [run_sweep(work / f"seed_{seed}", list(CASES), seed) for seed in range(seeds)]
-    reference = {"block": BLOCK, "command": f"python benchmarks/learning_curves.py record --seeds {seeds}",
-                 "cases": {}}
+    reference = {"block": BLOCK, "command": f"python benchmarks/learning_curves.py record --seeds {seeds}", "cases": {}}
     for case in CASES:
         seed_blocks = [blocks(curves[case]) for curves in per_seed]
         mean = [statistics.fmean(b) for b in zip(*seed_blocks)]
         spread = [statistics.stdev(b) if len(b) > 1 else 0.0 for b in zip(*seed_blocks)]
-        reference["cases"][case] = {"mean": mean, "band": [max(FLOOR, 3 * s) for s in spread],
-                                    "seeds": [curves[case] for curves in per_seed]}
+        reference["cases"][case] = {
+            "mean": mean,
+            "band": [max(FLOOR, 3 * s) for s in spread],
+            "seeds": [curves[case] for curves in per_seed],
+        }
         print(f"{case}: block means {[round(m, 3) for m in mean]}, seeds' std {[round(s, 3) for s in spread]}")
     REFERENCE.write_text(json.dumps(reference, indent=1) + "\n")
     print(f"wrote {REFERENCE}")
-    write_record(REPO / "benchmarks" / "results" / "learning_curves.json", load_before, **reference,
-                 wall_s=time.monotonic() - started)
+    write_record(
+        REPO / "benchmarks" / "results" / "learning_curves.json",
+        load_before,
+        **reference,
+        wall_s=time.monotonic() - started,
+    )
 
 
 def check(cases: list[str], work: Path, out: Path | None) -> bool:

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from record import write_record  # beside this script
 from real_size import build_model_in_subprocess
+from record import write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -37,14 +37,20 @@ TRAINERS = {"bf16": ("bfloat16", False), "bf16, fp32 residual": ("bfloat16", Tru
 
 def prompts_of(gsm8k: Path, tokenizer, count: int) -> list[list[int]]:
     questions = [json.loads(line)["question"] for line in (gsm8k / "test.jsonl").read_text().splitlines()[:count]]
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]) for q in questions]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
 
 
 def sample(model: Path, prompts: list[list[int]], dtype: str, fp32_residual: bool, args) -> list:
     import ray
 
-    from rl_tpu.sampler import EngineOptions, SamplingSettings, launch_sampler
+    from rl_tpu.sampler.engine import EngineOptions, SamplingSettings, launch_sampler
 
     max_len = max(map(len, prompts)) + args.new_tokens
     engine = launch_sampler(str(model), dtype, max_len, 0.5, seed=0, options=EngineOptions(fp32_residual=fp32_residual))
@@ -62,8 +68,8 @@ def trainer_model(model: Path, dtype: str, fp32_residual: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl_tpu.parallelize import decoder_layers
-    from rl_tpu.precision import keep_residual_fp32
+    from rl_tpu.models.hf import decoder_layers
+    from rl_tpu.models.precision import keep_residual_fp32
 
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     for param in net.parameters():  # as FSDP2's MixedPrecisionPolicy: parameters cast, buffers kept
@@ -76,10 +82,10 @@ def trainer_model(model: Path, dtype: str, fp32_residual: bool):
 def train_step_seconds(model: Path, fp32_residual: bool) -> float:
     """The second of two train steps of a world-size-1 trainer on a synthetic batch."""
     import torch
+    from trainer_memory import synthetic_batch
 
     from rl_tpu.config import RunConfig
-    from rl_tpu.trainer import TrainerWorker
-    from trainer_memory import synthetic_batch
+    from rl_tpu.trainer.worker import TrainerWorker
 
     cfg = RunConfig()
     cfg.device, cfg.model.dtype, cfg.model.fp32_residual = "cpu", "bfloat16", fp32_residual
@@ -105,14 +111,19 @@ def free_port() -> int:
 def gap(net, rollouts: list, micro: int = 4) -> dict[str, float]:
     import torch
 
-    from rl_tpu.logprobs import pad_batch, token_logprobs
-    from rl_tpu.rollout import TrainBatch
+    from rl_tpu.models.logprobs import pad_batch, token_logprobs
+    from rl_tpu.records import TrainBatch
 
     diffs = []
     for i in range(0, len(rollouts), micro):
-        part = rollouts[i:i + micro]
-        batch = TrainBatch([r.prompt_ids for r in part], [r.completion_ids for r in part],
-                           [r.logprobs for r in part], [[0.0] * len(r.logprobs) for r in part], 1.0)
+        part = rollouts[i : i + micro]
+        batch = TrainBatch(
+            [r.prompt_ids for r in part],
+            [r.completion_ids for r in part],
+            [r.logprobs for r in part],
+            [[0.0] * len(r.logprobs) for r in part],
+            1.0,
+        )
         t = pad_batch(batch, pad_id=1, device=torch.device("cpu"))
         with torch.no_grad():
             log_prob, _ = token_logprobs(net, t, 1.0, with_entropy=False)
@@ -141,12 +152,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
             from rl_tpu.config import DataConfig, TinyModelConfig
-            from rl_tpu.models import build_tiny_arith
+            from rl_tpu.models.resolve import build_tiny_arith
 
             model = Path(tmp) / "tiny"
             build_tiny_arith(TinyModelConfig(warm_start_steps=0), DataConfig(), model)
             tokenizer = AutoTokenizer.from_pretrained(model)
-            prompts = [tokenizer(f"Q: What is {a} + {b}? A:")["input_ids"] for a, b in zip(range(3, 99, 7), range(9, 99, 5))]
+            prompts = [
+                tokenizer(f"Q: What is {a} + {b}? A:")["input_ids"] for a, b in zip(range(3, 99, 7), range(9, 99, 5))
+            ]
         else:
             model = build_model_in_subprocess(Path(tmp) / "model")
             prompts = prompts_of(args.gsm8k, AutoTokenizer.from_pretrained(model), args.prompts)
@@ -157,16 +170,26 @@ def main() -> None:
             net = trainer_model(model, *how)
             for engine, (rollouts, _) in sampled.items():
                 table[f"engine {engine} / trainer {trainer}"] = gap(net, rollouts)
-                print(f"engine {engine:20s} trainer {trainer:20s} {table[f'engine {engine} / trainer {trainer}']}",
-                      flush=True)
+                print(
+                    f"engine {engine:20s} trainer {trainer:20s} {table[f'engine {engine} / trainer {trainer}']}",
+                    flush=True,
+                )
             del net
         ray.shutdown()
         train_s = {"fp32 residual": [], "bf16 residual": []}
         for fp32_residual in (True, False, True, False):
-            train_s["fp32 residual" if fp32_residual else "bf16 residual"].append(train_step_seconds(model, fp32_residual))
+            train_s["fp32 residual" if fp32_residual else "bf16 residual"].append(
+                train_step_seconds(model, fp32_residual)
+            )
             print(f"train step seconds: {train_s}", flush=True)
-    write_record(args.out, load_before, args=vars(args) | {"gsm8k": str(args.gsm8k), "out": str(args.out)},
-                 gaps=table, generate_s=generate_s, train_step_s=train_s)
+    write_record(
+        args.out,
+        load_before,
+        args=vars(args) | {"gsm8k": str(args.gsm8k), "out": str(args.out)},
+        gaps=table,
+        generate_s=generate_s,
+        train_step_s=train_s,
+    )
 
 
 if __name__ == "__main__":

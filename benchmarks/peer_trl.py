@@ -60,10 +60,12 @@ def prompt_text(messages: list[dict], tokenizer: Any) -> str | list[dict]:
 def check_prompt_ids(prompt: str | list[dict], tokenizer: Any) -> None:
     """TRL's prompt ids (GRPOTrainer._tokenize_prompts) must be the ones rl_tpu.data.load_examples generates from."""
     if isinstance(prompt, list):
-        ours = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False)["input_ids"]
-        theirs = tokenizer.apply_chat_template([prompt], add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"][0]
+        ours = tokenizer(
+            tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )["input_ids"]
+        theirs = tokenizer.apply_chat_template([prompt], add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ][0]
     else:
         ours = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         theirs = tokenizer(text=[prompt])["input_ids"][0]  # TRL's call: special tokens added if the tokenizer has any
@@ -77,10 +79,13 @@ def arithmetic_reward() -> Callable[..., list[float]]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 
-    def arithmetic(completions: list[str], data_source: list[str], ground_truth: list[str],
-                   extra_info: list[dict], **_: Any) -> list[float]:
-        return [module.compute_score(s, c, g, e)
-                for c, s, g, e in zip(completions, data_source, ground_truth, extra_info, strict=True)]
+    def arithmetic(
+        completions: list[str], data_source: list[str], ground_truth: list[str], extra_info: list[dict], **_: Any
+    ) -> list[float]:
+        return [
+            module.compute_score(s, c, g, e)
+            for c, s, g, e in zip(completions, data_source, ground_truth, extra_info, strict=True)
+        ]
 
     return arithmetic
 
@@ -103,17 +108,20 @@ def main() -> None:
     import torch
     import transformers
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
-
     from record import write_record  # beside this script
+    from transformers import AutoTokenizer, TrainerCallback
 
     torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     rows = datasets.Dataset.from_parquet(str(args.data))
-    train = rows.map(lambda row: {"prompt": prompt_text(row["prompt"], tokenizer),
-                                  "ground_truth": row["reward_model"]["ground_truth"]},
-                     remove_columns=["reward_model", "ability"])
+    train = rows.map(
+        lambda row: {
+            "prompt": prompt_text(row["prompt"], tokenizer),
+            "ground_truth": row["reward_model"]["ground_truth"],
+        },
+        remove_columns=["reward_model", "ability"],
+    )
     check_prompt_ids(train[0]["prompt"], tokenizer)
 
     step_s: list[float] = []
@@ -141,20 +149,44 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         config = trl.GRPOConfig(
-            output_dir=tmp, max_steps=args.warmup + args.steps, seed=0,
-            per_device_train_batch_size=BATCH, num_generations=GROUP,
+            output_dir=tmp,
+            max_steps=args.warmup + args.steps,
+            seed=0,
+            per_device_train_batch_size=BATCH,
+            num_generations=GROUP,
             # one generated batch per optimizer step, used once: TRL then skips the old-logprob pass
-            gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-            max_completion_length=32, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False,
-            learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-            weight_decay=0.0, max_grad_norm=1.0, beta=0.0,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_iterations=1,
+            max_completion_length=32,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            use_vllm=False,
+            learning_rate=1e-5,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            optim="adamw_torch",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            beta=0.0,
             gradient_checkpointing=False,  # TRL's default is on; rl_tpu's trainer.activation_checkpointing is off
             bf16=args.bf16,  # TRL's default is bf16 on; rl_tpu's reference workload is fp32
-            use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = trl.GRPOTrainer(model=str(args.model), reward_funcs=arithmetic_reward(), args=config,
-                                  train_dataset=train, processing_class=tokenizer, callbacks=[Timer()])
+        trainer = trl.GRPOTrainer(
+            model=str(args.model),
+            reward_funcs=arithmetic_reward(),
+            args=config,
+            train_dataset=train,
+            processing_class=tokenizer,
+            callbacks=[Timer()],
+        )
         generate_and_score = trainer._generate_and_score_completions  # called once per step by _prepare_inputs
 
         def timed_generate_and_score(inputs: list[dict]) -> dict:
@@ -165,19 +197,33 @@ def main() -> None:
 
         trainer._generate_and_score_completions = timed_generate_and_score  # the rest of a step is loss and update
         trainer.train()
-    timed, timed_generate = step_s[args.warmup:], generate_s[args.warmup:]
-    tokens = [m * BATCH for m in mean_lengths[args.warmup:]]
+    timed, timed_generate = step_s[args.warmup :], generate_s[args.warmup :]
+    tokens = [m * BATCH for m in mean_lengths[args.warmup :]]
     record = write_record(
-        args.out, load_before, system="trl", trl_version=trl.__version__,
-        transformers_version=transformers.__version__, torch_version=torch.__version__, bf16=args.bf16,
-        threads=torch.get_num_threads(), steps=args.steps, warmup=args.warmup, step_s_each=timed,
-        step_s=statistics.median(timed), min=min(timed), max=max(timed),
-        generate_and_score_s=statistics.median(timed_generate), generate_and_score_s_each=timed_generate,
-        completion_tokens_per_step=statistics.mean(tokens) if tokens else None)
-    print(f"trl {record['trl_version']} ({'bf16 autocast' if args.bf16 else 'fp32'}, {record['threads']} threads): "
-          f"{record['step_s']:.3f} s/step (min {record['min']:.3f}, max {record['max']:.3f}; generate and score "
-          f"{record['generate_and_score_s']:.3f}) over {len(timed)} steps, "
-          f"{record['completion_tokens_per_step'] or 0:,.0f} completion tokens/step")
+        args.out,
+        load_before,
+        system="trl",
+        trl_version=trl.__version__,
+        transformers_version=transformers.__version__,
+        torch_version=torch.__version__,
+        bf16=args.bf16,
+        threads=torch.get_num_threads(),
+        steps=args.steps,
+        warmup=args.warmup,
+        step_s_each=timed,
+        step_s=statistics.median(timed),
+        min=min(timed),
+        max=max(timed),
+        generate_and_score_s=statistics.median(timed_generate),
+        generate_and_score_s_each=timed_generate,
+        completion_tokens_per_step=statistics.mean(tokens) if tokens else None,
+    )
+    print(
+        f"trl {record['trl_version']} ({'bf16 autocast' if args.bf16 else 'fp32'}, {record['threads']} threads): "
+        f"{record['step_s']:.3f} s/step (min {record['min']:.3f}, max {record['max']:.3f}; generate and score "
+        f"{record['generate_and_score_s']:.3f}) over {len(timed)} steps, "
+        f"{record['completion_tokens_per_step'] or 0:,.0f} completion tokens/step"
+    )
 
 
 if __name__ == "__main__":

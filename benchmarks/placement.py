@@ -27,9 +27,9 @@ from pathlib import Path
 from record import write_record  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_step import REPO, build_workload, measure, reference_config  # noqa: E402
+from grpo_step import REPO, build_workload, measure, reference_config
 
-from rl_tpu import controller  # noqa: E402
+from rl_tpu.cluster.placement import start_ray
 
 # the baseline runs first and last, so that a drift in the machine's load shows in its two figures
 VARIANTS = [("disaggregated", 1), ("disaggregated", 2), ("colocated", 1), ("disaggregated", 1)]
@@ -48,7 +48,7 @@ def main() -> None:
         for layout, engines in VARIANTS:
             cfg = reference_config(model, data, threads=1)
             cfg.placement, cfg.sampler.num_engines = layout, engines
-            controller.start_ray(cfg.ray)
+            start_ray(cfg.ray)
             run_dir = Path(tmp) / f"run-{layout}-{engines}"
             runs.append({**measure(cfg, model, run_dir, args.steps, args.warmup), "load_average": os.getloadavg()})
     baselines = [r for r in runs if (r["layout"], r["engines"]) == VARIANTS[0]]
@@ -57,11 +57,13 @@ def main() -> None:
     for run in runs:
         run["step_s_vs_baseline"] = run["step_s"] / base_step
         run["generate_s_vs_baseline"] = run["generate_s"] / base_generate
-        print(f"{run['layout']}, {run['engines']} engine(s): {run['step_s']:.3f} s/step "
-              f"({run['step_s_vs_baseline']:.2f} x baseline; generate {run['generate_s']:.3f} s, "
-              f"{run['generate_s_vs_baseline']:.2f} x; train {run['train_s']:.3f}, sync {run['sync_s']:.3f}); "
-              f"{run['gen_tokens_per_s']:,.0f} generated tokens/s; sampler peak RSS {run['sampler_peak_rss_mb']:.0f} MiB; "
-              f"load average {run['load_average'][0]:.2f}")
+        print(
+            f"{run['layout']}, {run['engines']} engine(s): {run['step_s']:.3f} s/step "
+            f"({run['step_s_vs_baseline']:.2f} x baseline; generate {run['generate_s']:.3f} s, "
+            f"{run['generate_s_vs_baseline']:.2f} x; train {run['train_s']:.3f}, sync {run['sync_s']:.3f}); "
+            f"{run['gen_tokens_per_s']:,.0f} generated tokens/s; sampler peak RSS {run['sampler_peak_rss_mb']:.0f} MiB; "
+            f"load average {run['load_average'][0]:.2f}"
+        )
     write_record(args.out, load_before, steps=args.steps, warmup=args.warmup, runs=runs)
 
 

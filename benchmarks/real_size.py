@@ -6,7 +6,7 @@ BPE tokenizer built locally, given a chat template and padded with added tokens 
 151,936 entries so that embeddings and logits have their real size. bf16 served weights (fp32
 masters in the trainer), GSM8K prompts (../shared/data/gsm8k, through
 recipes/grpo_gsm8k/prepare.py) scored by the `gsm8k` reward, `--prompts` x `--n` completions
-of at most `--new-tokens` tokens. Each world size is one run through `controller.run`, the
+of at most `--new-tokens` tokens. Each world size is one run through `run`, the
 real path (placement, FSDP2 ranks, vLLM engine, weight sync); figures are medians over the
 steps after `--warmup`, and peak RSS is per process (each trainer rank, the sampler, the
 driver). Activation checkpointing is on, micro-batches are 2 sequences and the engine's KV
@@ -32,21 +32,26 @@ from record import write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from rl_tpu import controller  # noqa: E402
-from rl_tpu.config import RunConfig  # noqa: E402
-from rl_tpu.metrics import peak_rss_mb, read_metrics  # noqa: E402
+from rl_tpu.cluster.memory import peak_rss_mb
+from rl_tpu.config import RunConfig
+from rl_tpu.controller.run import run as run_training
+from rl_tpu.outputs.metrics import read_metrics
 
 QWEN_VOCAB = 151_936
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 # Qwen2.5 shapes (their config.json files); all tie the LM head to the embeddings
 QWEN_SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-               intermediate_size=11008),
+    "0.5b": dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
+    ),
+    "3b": dict(
+        hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, intermediate_size=11008
+    ),
 }
 
 
@@ -69,8 +74,15 @@ def build_model(folder: Path, shape: str = "0.5b") -> Path:
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.add_tokens([f"<|extra_{i}|>" for i in range(QWEN_VOCAB - len(tokenizer))])
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = Qwen2Config(vocab_size=len(tokenizer), **QWEN_SHAPES[shape], max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        **QWEN_SHAPES[shape],
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a GPU host initialises on the GPU
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -104,7 +116,7 @@ def run_config(model: Path, train: Path, test: Path, world_size: int, args) -> R
 
 def measure(cfg: RunConfig, run_dir: Path, warmup: int) -> dict:
     started = time.perf_counter()
-    controller.run(cfg, run_dir, show_progress=False)
+    run_training(cfg, run_dir, show_progress=False)
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > warmup and "actor/loss" in r]
 
     def median(key: str) -> float:
@@ -113,10 +125,14 @@ def measure(cfg: RunConfig, run_dir: Path, warmup: int) -> dict:
     every = read_metrics(run_dir / "metrics.jsonl")
     ranks = range(cfg.trainer.world_size)
     return {
-        "world_size": cfg.trainer.world_size, "steps_measured": len(rows), "wall_s": time.perf_counter() - started,
+        "world_size": cfg.trainer.world_size,
+        "steps_measured": len(rows),
+        "wall_s": time.perf_counter() - started,
         **{key: median(f"time/{key}") for key in ("step_s", "generate_s", "reward_s", "train_step_s", "sync_s")},
-        "gen_tokens_per_s": median("perf/gen_tokens_per_s"), "train_tokens_per_s": median("perf/train_tokens_per_s"),
-        "sync_bytes": median("sync/bytes"), "sync_mb_per_s": median("sync/mb_per_s"),
+        "gen_tokens_per_s": median("perf/gen_tokens_per_s"),
+        "train_tokens_per_s": median("perf/train_tokens_per_s"),
+        "sync_bytes": median("sync/bytes"),
+        "sync_mb_per_s": median("sync/mb_per_s"),
         "logprob_diff": median("actor/logprob_diff"),
         "trainer_rank_peak_rss_mb": [max(r.get(f"perf/trainer_{k}_peak_rss_mb", 0) for r in every) for k in ranks],
         "sampler_peak_rss_mb": max(r.get("perf/sampler_peak_rss_mb", 0) for r in every),
@@ -146,19 +162,28 @@ def main() -> None:
         train, test = prepare_data(args.gsm8k, Path(tmp) / "data")
         for world_size in args.world_sizes:
             cfg = run_config(model, train, test, world_size, args)
-            runs.append({**measure(cfg, Path(tmp) / f"run-ws{world_size}", args.warmup), "load_average": os.getloadavg()})
+            runs.append(
+                {**measure(cfg, Path(tmp) / f"run-ws{world_size}", args.warmup), "load_average": os.getloadavg()}
+            )
             print(json.dumps(runs[-1]), flush=True)
     base = min(runs, key=lambda r: r["world_size"])
     for run in runs:
         run["largest_rank_rss_vs_first"] = max(run["trainer_rank_peak_rss_mb"]) / max(base["trainer_rank_peak_rss_mb"])
-        print(f"world size {run['world_size']}: {run['step_s']:.1f} s/step (generate {run['generate_s']:.1f}, train "
-              f"{run['train_step_s']:.1f}, sync {run['sync_s']:.2f} for {run['sync_bytes'] / 2**20:.0f} MiB); "
-              f"{run['gen_tokens_per_s']:.0f} generated and {run['train_tokens_per_s']:.0f} trained tokens/s; peak RSS "
-              f"per trainer rank {[round(mb) for mb in run['trainer_rank_peak_rss_mb']]} MiB "
-              f"({run['largest_rank_rss_vs_first']:.2f} x world size {base['world_size']}), sampler "
-              f"{run['sampler_peak_rss_mb']:.0f} MiB; logprob gap {run['logprob_diff']:.2e}")
-    write_record(args.out, load_before, args=vars(args) | {"gsm8k": str(args.gsm8k), "out": str(args.out)},
-                 driver_peak_rss_mb=peak_rss_mb(), runs=runs)
+        print(
+            f"world size {run['world_size']}: {run['step_s']:.1f} s/step (generate {run['generate_s']:.1f}, train "
+            f"{run['train_step_s']:.1f}, sync {run['sync_s']:.2f} for {run['sync_bytes'] / 2**20:.0f} MiB); "
+            f"{run['gen_tokens_per_s']:.0f} generated and {run['train_tokens_per_s']:.0f} trained tokens/s; peak RSS "
+            f"per trainer rank {[round(mb) for mb in run['trainer_rank_peak_rss_mb']]} MiB "
+            f"({run['largest_rank_rss_vs_first']:.2f} x world size {base['world_size']}), sampler "
+            f"{run['sampler_peak_rss_mb']:.0f} MiB; logprob gap {run['logprob_diff']:.2e}"
+        )
+    write_record(
+        args.out,
+        load_before,
+        args=vars(args) | {"gsm8k": str(args.gsm8k), "out": str(args.out)},
+        driver_peak_rss_mb=peak_rss_mb(),
+        runs=runs,
+    )
 
 
 if __name__ == "__main__":

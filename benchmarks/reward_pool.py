@@ -22,12 +22,21 @@ from record import write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from rewards import gsm8k, math as math_reward  # noqa: E402
-from rl_tpu.config import RewardConfig  # noqa: E402
-from rl_tpu.grader import Grader, Sample  # noqa: E402
+from rewards import gsm8k
+from rewards import math as math_reward
+from rl_tpu.config import RewardConfig
+from rl_tpu.grader.grader import Grader, Sample
 
-MATH_ANSWERS = [("\\frac{1}{2}", "0.5"), ("\\sqrt{8}", "2\\sqrt{2}"), ("(0,1]", "[0,1]"), ("x^2+2x+1", "(x+1)^2"),
-                ("\\{1,2\\}", "\\{2,1\\}"), ("\\frac{3}{4}", "0.74"), ("2\\pi", "\\pi \\cdot 2"), ("3", "3.0")]
+MATH_ANSWERS = [
+    ("\\frac{1}{2}", "0.5"),
+    ("\\sqrt{8}", "2\\sqrt{2}"),
+    ("(0,1]", "[0,1]"),
+    ("x^2+2x+1", "(x+1)^2"),
+    ("\\{1,2\\}", "\\{2,1\\}"),
+    ("\\frac{3}{4}", "0.74"),
+    ("2\\pi", "\\pi \\cdot 2"),
+    ("3", "3.0"),
+]
 
 
 def gsm8k_samples(path: Path, count: int) -> list[Sample]:
@@ -36,14 +45,18 @@ def gsm8k_samples(path: Path, count: int) -> list[Sample]:
     for row in (rows * (count // (2 * len(rows)) + 1))[: count // 2]:
         head, answer = row["answer"].rsplit("#### ", 1)
         truth = answer.replace(",", "")
-        samples += [Sample("openai/gsm8k", row["answer"], truth, {}),
-                    Sample("openai/gsm8k", f"{head}#### {int(truth) + 1}", truth, {})]
+        samples += [
+            Sample("openai/gsm8k", row["answer"], truth, {}),
+            Sample("openai/gsm8k", f"{head}#### {int(truth) + 1}", truth, {}),
+        ]
     return samples
 
 
 def math_samples(count: int) -> list[Sample]:
-    return [Sample("math", f"So the answer is $\\boxed{{{answer}}}$.", truth, {})
-            for truth, answer in (MATH_ANSWERS * (count // len(MATH_ANSWERS) + 1))[:count]]
+    return [
+        Sample("math", f"So the answer is $\\boxed{{{answer}}}$.", truth, {})
+        for truth, answer in (MATH_ANSWERS * (count // len(MATH_ANSWERS) + 1))[:count]
+    ]
 
 
 def in_process(fn, samples: list[Sample]) -> float:
@@ -68,8 +81,10 @@ def measure(name: str, fn, samples: list[Sample], repeats: int) -> dict:
         row[f"pool{workers}_per_s"] = len(samples) / seconds
         row[f"pool{workers}_vs_in_process"] = floor / seconds
         row[f"pool{workers}_start_s"] = started
-        print(f"  pool x{workers}: {len(samples) / seconds:,.0f}/s = {floor / seconds:.2f} of in-process "
-              f"(start-up {started:.2f} s)")
+        print(
+            f"  pool x{workers}: {len(samples) / seconds:,.0f}/s = {floor / seconds:.2f} of in-process "
+            f"(start-up {started:.2f} s)"
+        )
     return row
 
 
@@ -81,8 +96,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "reward_pool.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    rows = [measure("gsm8k", gsm8k.compute_score, gsm8k_samples(args.gsm8k, args.batch), args.repeats),
-            measure("math", math_reward.compute_score, math_samples(args.batch), args.repeats)]
+    rows = [
+        measure("gsm8k", gsm8k.compute_score, gsm8k_samples(args.gsm8k, args.batch), args.repeats),
+        measure("math", math_reward.compute_score, math_samples(args.batch), args.repeats),
+    ]
     write_record(args.out, load_before, repeats=args.repeats, results=rows)
 
 

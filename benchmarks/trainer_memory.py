@@ -25,10 +25,10 @@ from record import write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from rl_tpu.config import RunConfig  # noqa: E402
-from rl_tpu.rollout import TrainBatch  # noqa: E402
-from rl_tpu.trainer import TrainerWorker  # noqa: E402
-from rl_tpu.workers import trainer_env  # noqa: E402
+from rl_tpu.config import RunConfig
+from rl_tpu.controller.actors import trainer_env
+from rl_tpu.records import TrainBatch
+from rl_tpu.trainer.worker import TrainerWorker
 
 STATUS_KEYS = {"VmHWM": "peak_mb", "VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssShmem": "shmem_mb"}
 
@@ -55,7 +55,7 @@ def synthetic_batch(sequences: int, prompt_len: int, completion_len: int, vocab:
 def profile(model: Path, world_size: int, return_freed_memory: bool, args) -> dict:
     import ray
 
-    from rl_tpu.placement import free_address_on
+    from rl_tpu.cluster.placement import free_address_on
 
     cfg = RunConfig()
     cfg.device, cfg.model.path, cfg.model.dtype = "cpu", str(model), "bfloat16"
@@ -69,22 +69,36 @@ def profile(model: Path, world_size: int, return_freed_memory: bool, args) -> di
     ranks = [actor.remote(cfg, str(model), rank, world_size, address, port) for rank in range(world_size)]
     phases, seconds = {"start-up": ray.get([r.memory.remote() for r in ranks])}, {}
     batch = ray.put(synthetic_batch(args.sequences, args.prompt_len, args.completion_len, 151_936))
-    for phase, method, arg in (("train step 1", "train_step", batch), ("train step 2", "train_step", batch),
-                               ("publish", "publish_weights", 1)):
+    for phase, method, arg in (
+        ("train step 1", "train_step", batch),
+        ("train step 2", "train_step", batch),
+        ("publish", "publish_weights", 1),
+    ):
         ray.get([r.reset_peak.remote() for r in ranks])
         start = time.perf_counter()
         ray.get([getattr(r, method).remote(arg) for r in ranks])
         seconds[phase] = time.perf_counter() - start
         phases[phase] = ray.get([r.memory.remote() for r in ranks])
-        print(f"world size {world_size}, return_freed_memory={return_freed_memory}, {phase} "
-              f"({seconds[phase]:.1f} s): " + "; ".join(
-            f"rank {i} peak {m['peak_mb']:.0f} MiB, now {m['rss_mb']:.0f} (anon {m['anon_mb']:.0f}, shared "
-            f"{m['shmem_mb']:.0f})" for i, m in enumerate(phases[phase])), flush=True)
+        print(
+            f"world size {world_size}, return_freed_memory={return_freed_memory}, {phase} "
+            f"({seconds[phase]:.1f} s): "
+            + "; ".join(
+                f"rank {i} peak {m['peak_mb']:.0f} MiB, now {m['rss_mb']:.0f} (anon {m['anon_mb']:.0f}, shared "
+                f"{m['shmem_mb']:.0f})"
+                for i, m in enumerate(phases[phase])
+            ),
+            flush=True,
+        )
     ray.get([r.shutdown.remote() for r in ranks])
     for r in ranks:
         ray.kill(r)
-    return {"world_size": world_size, "return_freed_memory": return_freed_memory, "phases": phases, "seconds": seconds,
-            "largest_peak_mb": max(m["peak_mb"] for ms in phases.values() for m in ms)}
+    return {
+        "world_size": world_size,
+        "return_freed_memory": return_freed_memory,
+        "phases": phases,
+        "seconds": seconds,
+        "largest_peak_mb": max(m["peak_mb"] for ms in phases.values() for m in ms),
+    }
 
 
 def main() -> None:
@@ -95,13 +109,16 @@ def main() -> None:
     parser.add_argument("--completion-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=512.0)
-    parser.add_argument("--settings", choices=["both", "default"], default="both",
-                        help="trainer.return_freed_memory true and false (both), or the default (true) only")
+    parser.add_argument(
+        "--settings",
+        choices=["both", "default"],
+        default="both",
+        help="trainer.return_freed_memory true and false (both), or the default (true) only",
+    )
     parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="extra environment of the ranks")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "trainer_memory.json")
     args = parser.parse_args()
     import ray
-
     import real_size
 
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # as real_size.py runs
@@ -115,12 +132,17 @@ def main() -> None:
                 runs.append(profile(model, world_size, freed, args))
     ray.shutdown()
     for run in runs:
-        base = next(r for r in runs if r["world_size"] == min(args.world_sizes)
-                    and r["return_freed_memory"] == run["return_freed_memory"])
+        base = next(
+            r
+            for r in runs
+            if r["world_size"] == min(args.world_sizes) and r["return_freed_memory"] == run["return_freed_memory"]
+        )
         run["largest_peak_vs_smallest_world_size"] = run["largest_peak_mb"] / base["largest_peak_mb"]
-        print(f"world size {run['world_size']}, return_freed_memory={run['return_freed_memory']}: largest peak "
-              f"{run['largest_peak_mb']:.0f} MiB ({run['largest_peak_vs_smallest_world_size']:.2f} x world size "
-              f"{base['world_size']}); train step 2 {run['seconds']['train step 2']:.1f} s")
+        print(
+            f"world size {run['world_size']}, return_freed_memory={run['return_freed_memory']}: largest peak "
+            f"{run['largest_peak_mb']:.0f} MiB ({run['largest_peak_vs_smallest_world_size']:.2f} x world size "
+            f"{base['world_size']}); train step 2 {run['seconds']['train step 2']:.1f} s"
+        )
     write_record(args.out, load_before, args={k: str(v) for k, v in vars(args).items()}, runs=runs)
 
 

@@ -29,18 +29,40 @@ from pathlib import Path
 
 import ray
 import torch
-
 from record import write_record  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rl_tpu import sync  # noqa: E402
+from rl_tpu.records import WeightBundle
+from rl_tpu.sync.bundle import checksum, plan_buckets, spec_of
+from rl_tpu.sync.endpoints import pack, unpack
+from rl_tpu.sync.registry import CPU_TRANSPORTS, make_transport
 
 MODELS = {
     # name: (Qwen3 config overrides, dtype)
-    "reference-3.3M": (dict(vocab_size=268, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=64, intermediate_size=768), torch.float32),
-    "qwen3-0.5B": (dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                        num_key_value_heads=8, head_dim=64, intermediate_size=3072), torch.bfloat16),
+    "reference-3.3M": (
+        dict(
+            vocab_size=268,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=768,
+        ),
+        torch.float32,
+    ),
+    "qwen3-0.5B": (
+        dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=3072,
+        ),
+        torch.bfloat16,
+    ),
 }
 
 
@@ -51,8 +73,11 @@ def make_state_dict(overrides: dict, dtype: torch.dtype) -> dict[str, torch.Tens
     with torch.device("meta"):
         model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, **overrides))
     generator = torch.Generator().manual_seed(0)
-    return {name: torch.randn(p.shape, generator=generator).to(dtype) for name, p in model.state_dict().items()
-            if name != "lm_head.weight"}
+    return {
+        name: torch.randn(p.shape, generator=generator).to(dtype)
+        for name, p in model.state_dict().items()
+        if name != "lm_head.weight"
+    }
 
 
 @ray.remote(num_cpus=1)
@@ -64,11 +89,11 @@ class Sender:
     def num_bytes(self) -> int:
         return sum(t.nbytes for t in self.state.values())
 
-    def send(self, transport: str, version: int, bucket_mb: float, shm_dir: str) -> tuple[sync.WeightBundle, float]:
+    def send(self, transport: str, version: int, bucket_mb: float, shm_dir: str) -> tuple[WeightBundle, float]:
         if transport not in self.transports:
-            self.transports[transport] = sync.make_transport(transport, shm_dir)
+            self.transports[transport] = make_transport(transport, shm_dir)
         start = time.perf_counter()
-        bundle = sync.pack(self.state, version, self.transports[transport], bucket_mb)
+        bundle = pack(self.state, version, self.transports[transport], bucket_mb)
         return bundle, time.perf_counter() - start
 
     def copy_floor(self) -> float:
@@ -82,9 +107,9 @@ class Sender:
 
 @ray.remote(num_cpus=1)
 class Receiver:
-    def receive(self, bundle: sync.WeightBundle) -> float:
+    def receive(self, bundle: WeightBundle) -> float:
         start = time.perf_counter()
-        tensors, _ = sync.unpack(bundle)
+        tensors, _ = unpack(bundle)
         assert len(tensors) == len(bundle.names)
         return time.perf_counter() - start
 
@@ -102,10 +127,10 @@ class RdtSender:
     def send(self, bucket_mb: float) -> list:
         """The bundle's buckets as (specs, checksum, byte tensors); the tensors travel over gloo."""
         buckets = []
-        for names in sync.plan_buckets({n: t.nbytes for n, t in self.state.items()}, int(bucket_mb * 2**20)):
-            specs = tuple(sync.spec_of(n, self.state[n]) for n in names)
+        for names in plan_buckets({n: t.nbytes for n, t in self.state.items()}, int(bucket_mb * 2**20)):
+            specs = tuple(spec_of(n, self.state[n]) for n in names)
             tensors = [as_bytes(self.state[n]) for n in names]
-            buckets.append((specs, sync.checksum(specs, [t.numpy() for t in tensors]), tensors))
+            buckets.append((specs, checksum(specs, [t.numpy() for t in tensors]), tensors))
         return buckets
 
 
@@ -113,7 +138,7 @@ class RdtSender:
 class RdtReceiver:
     def receive(self, buckets: list) -> int:
         for specs, expected, tensors in buckets:
-            assert sync.checksum(specs, [t.numpy() for t in tensors]) == expected, "checksum mismatch"
+            assert checksum(specs, [t.numpy() for t in tensors]) == expected, "checksum mismatch"
         return len(buckets)
 
 
@@ -139,9 +164,12 @@ def measure(model: str, transports: list[str], repeats: int, bucket_mb: float, s
     sender, receiver = Sender.remote(overrides, str(dtype).removeprefix("torch.")), Receiver.remote()
     num_bytes = ray.get(sender.num_bytes.remote())
     floors = [ray.get(sender.copy_floor.remote()) for _ in range(repeats + 1)][1:]
-    result = {"bytes": num_bytes, "dtype": str(dtype).removeprefix("torch."),
-              "floor": {"seconds": statistics.median(floors), "mb_per_s": num_bytes / 2**20 / statistics.median(floors)}}
-    for transport in (t for t in transports if t in sync.CPU_TRANSPORTS):
+    result = {
+        "bytes": num_bytes,
+        "dtype": str(dtype).removeprefix("torch."),
+        "floor": {"seconds": statistics.median(floors), "mb_per_s": num_bytes / 2**20 / statistics.median(floors)},
+    }
+    for transport in (t for t in transports if t in CPU_TRANSPORTS):
         totals = []
         for version in range(1, repeats + 2):
             start = time.perf_counter()
@@ -150,21 +178,27 @@ def measure(model: str, transports: list[str], repeats: int, bucket_mb: float, s
             totals.append(time.perf_counter() - start)
             del bundle
         seconds = statistics.median(totals[1:])
-        result[transport] = {"seconds": seconds, "mb_per_s": num_bytes / 2**20 / seconds,
-                             "ratio_to_floor": result["floor"]["seconds"] / seconds}
+        result[transport] = {
+            "seconds": seconds,
+            "mb_per_s": num_bytes / 2**20 / seconds,
+            "ratio_to_floor": result["floor"]["seconds"] / seconds,
+        }
     ray.kill(sender)
     ray.kill(receiver)
     if "rdt_gloo" in transports:
         seconds = measure_rdt(model, repeats, bucket_mb)
-        result["rdt_gloo"] = {"seconds": seconds, "mb_per_s": num_bytes / 2**20 / seconds,
-                              "ratio_to_floor": result["floor"]["seconds"] / seconds}
+        result["rdt_gloo"] = {
+            "seconds": seconds,
+            "mb_per_s": num_bytes / 2**20 / seconds,
+            "ratio_to_floor": result["floor"]["seconds"] / seconds,
+        }
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    choices = [*sync.CPU_TRANSPORTS, "rdt_gloo"]
+    choices = [*CPU_TRANSPORTS, "rdt_gloo"]
     parser.add_argument("--transports", nargs="+", default=choices, choices=choices)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=512.0)
@@ -183,7 +217,9 @@ def main() -> None:
         for name in ["floor", *args.transports]:
             row = r[name]
             ratio = f"{row.get('ratio_to_floor', 1.0):.2f}"
-            print(f"{model:16} {name:13} {r['bytes'] / 2**20:8.1f} {row['seconds']:8.4f} {row['mb_per_s']:8.0f} {ratio:>8}")
+            print(
+                f"{model:16} {name:13} {r['bytes'] / 2**20:8.1f} {row['seconds']:8.4f} {row['mb_per_s']:8.0f} {ratio:>8}"
+            )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ import re
 _FIRST_INTEGER = re.compile(r"-?\d+")
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
-                  **kwargs) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs
+) -> float:
     match = _FIRST_INTEGER.search(solution_str)
     if match is None:
         return 0.0

@@ -14,6 +14,7 @@ import re
 _FINAL_ANSWER = re.compile(r"\\boxed\s*\{\s*[^}\s]|####\s*\$?-?[\d.,]*\d")
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
-                  **kwargs) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs
+) -> float:
     return 1.0 if _FINAL_ANSWER.search(solution_str) else 0.0

@@ -38,8 +38,9 @@ def extract_answer(text: str) -> Decimal | None:
         return None
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
-                  **kwargs) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs
+) -> float:
     expected = extract_answer(str(ground_truth))
     if expected is None:
         raise ValueError(f"gsm8k reward: ground truth {ground_truth!r} has no number")

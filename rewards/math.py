@@ -50,8 +50,9 @@ def is_equivalent(answer: str, ground_truth: str) -> bool:
     return bool(gold and predicted and verify(gold, predicted, timeout_seconds=timeout))
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
-                  **kwargs) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs
+) -> float:
     boxed = last_boxed(solution_str)
     if boxed is not None:
         return 1.0 if is_equivalent(boxed, str(ground_truth)) else 0.0

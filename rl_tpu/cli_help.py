@@ -1,6 +1,6 @@
 """`rl-tpu --help`: the recipes, and every config key with its default and the comment that documents it.
 
-The descriptions are the comments on the fields of rl_tpu/config.py (on the field's line, or the comment
+The descriptions are the comments on the fields of rl_tpu/config/__init__.py (on the field's line, or the comment
 block right above it), so the help cannot drift from the schema.
 """
 
@@ -28,8 +28,11 @@ USAGE = """usage: rl-tpu +recipe=NAME [KEY=VALUE ...]          (also: python -m 
 
 def field_comments(source: str) -> dict[tuple[str, str], str]:
     """(class name, field name) -> the comment documenting that field in `source`."""
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
     lines = source.splitlines()
     found = {}
     for node in ast.walk(ast.parse(source)):
@@ -54,7 +57,7 @@ def field_comments(source: str) -> dict[tuple[str, str], str]:
 def one_line(text: str) -> str:
     """The first sentence, cut to fit a terminal line."""
     sentence = re.split(r"(?<!e\.g)(?<!i\.e)(?<!Dr)\.\s+", text)[0].rstrip(".")
-    return sentence if len(sentence) <= MAX_DESCRIPTION else sentence[:MAX_DESCRIPTION - 3].rstrip() + "..."
+    return sentence if len(sentence) <= MAX_DESCRIPTION else sentence[: MAX_DESCRIPTION - 3].rstrip() + "..."
 
 
 def shown(value) -> str:
@@ -90,12 +93,14 @@ def key_lines(schema: type, comments: dict[tuple[str, str], str], prefix: str = 
 def recipes() -> list[tuple[str, str]]:
     """(name, first line of its description) for each recipe shipped in the package."""
     found = []
-    for entry in sorted(resources.files("rl_tpu").joinpath("configs", "recipe").iterdir(), key=lambda e: e.name):
+    for entry in sorted(resources.files("rl_tpu.configs").joinpath("recipe").iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".yaml"):
             lines = entry.read_text().splitlines()
-            header = [line.lstrip("# ").strip() for line in lines[:next((i for i, l in enumerate(lines)
-                                                                           if not l.startswith("#")), len(lines))]
-                      if "@package" not in line]
+            header = [
+                line.lstrip("# ").strip()
+                for line in lines[: next((i for i, text in enumerate(lines) if not text.startswith("#")), len(lines))]
+                if "@package" not in line
+            ]
             found.append((entry.name.removesuffix(".yaml"), one_line(" ".join(header))))
     return found
 

@@ -14,8 +14,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rl_tpu.config import RunConfig, register_configs
-from rl_tpu.plots import PLOTS_DIR
-from rl_tpu.report import FAILED_FILE
+from rl_tpu.outputs.plots import PLOTS_DIR
+from rl_tpu.outputs.report import FAILED_FILE
 
 register_configs()
 log = logging.getLogger("rl_tpu")
@@ -23,22 +23,26 @@ log = logging.getLogger("rl_tpu")
 
 def resume_command(run_dir: Path) -> str:
     """The command line that continues this run in its own folder from its newest checkpoint."""
-    kept = [o for o in HydraConfig.get().overrides.task
-            if not o.startswith(("hydra.run.dir=", "trainer.resume=", "trainer.resume_from="))]
-    return shlex.join(["python", "-m", "rl_tpu.main", *kept, f"hydra.run.dir={run_dir}",
-                       "trainer.resume=auto"])
+    kept = [
+        o
+        for o in HydraConfig.get().overrides.task
+        if not o.startswith(("hydra.run.dir=", "trainer.resume=", "trainer.resume_from="))
+    ]
+    return shlex.join(["python", "-m", "rl_tpu.main", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
 
 
 def run_task(cfg: DictConfig) -> float:
     """One run (or one sweep trial) in the folder Hydra chose; returns the final held-out accuracy."""
-    from rl_tpu import checkpoints, controller, evaluation
-    from rl_tpu.recovery import RunInterrupted
+    from rl_tpu.controller import evaluation
+    from rl_tpu.controller.recovery import RunInterrupted
+    from rl_tpu.controller.run import run
+    from rl_tpu.outputs import checkpoints
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     run_cfg: RunConfig = OmegaConf.to_object(cfg)
     try:
-        summary = controller.run(run_cfg, run_dir)
+        summary = run(run_cfg, run_dir)
     except RunInterrupted as stopped:  # preemption or Ctrl-C: saved, stop with the shell's status for the signal
         print(f"{stopped}. Continue with:\n  {resume_command(run_dir)}", flush=True)
         sys.exit(143 if stopped.signal_name == "SIGTERM" else 130)
@@ -56,8 +60,8 @@ def run_task(cfg: DictConfig) -> float:
     return summary["eval/accuracy_final"]  # the value a sweeper optimises
 
 
-# a plain function under the decorator, so that a sweep's Ray tasks receive it by name (rl_tpu/sweep_launcher.py)
-main = hydra.main(version_base=None, config_path="configs", config_name="config")(run_task)
+# a plain function under the decorator, so that a sweep's Ray tasks receive it by name (rl_tpu/sweeps/ray_launcher.py)
+main = hydra.main(version_base=None, config_path="pkg://rl_tpu.configs", config_name="config")(run_task)
 
 
 def cli() -> None:

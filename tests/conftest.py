@@ -36,7 +36,7 @@ def free_port() -> int:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny_arith preset with random weights (no warm start): a real Hugging Face folder."""
     from rl_tpu.config import DataConfig, TinyModelConfig
-    from rl_tpu.models import build_tiny_arith
+    from rl_tpu.models.resolve import build_tiny_arith
 
     folder = tmp_path_factory.mktemp("models") / "tiny"
     build_tiny_arith(TinyModelConfig(warm_start_steps=0), DataConfig(), folder)
@@ -55,8 +55,16 @@ def ray_cluster():
 # The CLI runs of the end-to-end tests: the tiny model with random weights (no warm start), 4 prompts x 4
 # completions, two FSDP2 ranks. Random weights earn no reward, so zero advantages; the entropy bonus still
 # moves the weights.
-E2E_OVERRIDES = ("+recipe=grpo_math", "model.tiny.warm_start_steps=0", "data.train_batch_size=4", "sampler.n=4",
-                 "data.num_eval=32", "trainer.eval_every=2", "trainer.world_size=2", "actor.entropy_coeff=0.01")
+E2E_OVERRIDES = (
+    "+recipe=grpo_math",
+    "model.tiny.warm_start_steps=0",
+    "data.train_batch_size=4",
+    "sampler.n=4",
+    "data.num_eval=32",
+    "trainer.eval_every=2",
+    "trainer.world_size=2",
+    "actor.entropy_coeff=0.01",
+)
 
 
 MODULE_CLI = (sys.executable, "-m", "rl_tpu.main")
@@ -67,8 +75,13 @@ def cli_command(run_dir, cache_dir, *overrides: str, program=MODULE_CLI) -> list
 
 
 def run_cli(run_dir, cache_dir, *overrides: str, program=MODULE_CLI, cwd=REPO) -> subprocess.CompletedProcess:
-    result = subprocess.run(cli_command(run_dir, cache_dir, *overrides, program=program), cwd=cwd,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        cli_command(run_dir, cache_dir, *overrides, program=program),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -81,16 +94,45 @@ def installed_cli(tmp_path_factory) -> Path:
     files, the editable checkout among them, Python does not read), so the package comes from the wheel alone.
     """
     root = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(root / "dist"), str(REPO)], capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(root / "dist"),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stderr[-4000:]
     (wheel,) = (root / "dist").glob("rl_tpu-*.whl")
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     (site,) = venv.glob("lib/python*/site-packages")
     (site / "pinned_dependencies.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-                              "--no-deps", str(wheel)], capture_output=True, text=True, timeout=300)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr[-4000:]
     return venv / "bin" / "rl-tpu"
 
@@ -99,8 +141,9 @@ def start_cli(run_dir, cache_dir, *overrides: str) -> subprocess.Popen:
     """A run in the background (its output in RUN_DIR.out), for tests that interrupt it."""
     Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
     out = open(f"{run_dir}.out", "w")
-    return subprocess.Popen(cli_command(run_dir, cache_dir, *overrides), cwd=REPO, stdout=out,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cli_command(run_dir, cache_dir, *overrides), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def wait_for_step(run_dir, step: int, process: subprocess.Popen, timeout_s: float = 300) -> None:

@@ -1,4 +1,4 @@
-"""`hydra/sweeper=optuna`: an Optuna study over the sweep's overrides (the parts in rl_tpu/optuna_sweeper.py).
+"""`hydra/sweeper=optuna`: an Optuna study over the sweep's overrides (the parts in rl_tpu/sweeps/optuna_study.py).
 
 Hydra finds sweepers only in the `hydra_plugins` package and imports every module there at start-up, so
 Optuna itself is imported only when a sweep starts.
@@ -18,7 +18,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from rl_tpu import optuna_sweeper as impl
+from rl_tpu.sweeps import optuna_study as impl
 
 ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=impl.OptunaSweeperConf, provider="rl_tpu")
 log = logging.getLogger(__name__)
@@ -33,8 +33,9 @@ class OptunaSweeper(Sweeper):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
-                                                                task_function=task_function, config=config)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         """Batches of `n_jobs` trials until `n_trials` ran; returns the launcher's results, batch by batch."""
@@ -44,9 +45,15 @@ class OptunaSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        log.info("Optuna study %s (%s, sampler %s): %d trials, %d at a time, over %s", study.study_name,
-                 self.settings.direction.value, self.settings.sampler.value, self.settings.n_trials,
-                 self.settings.n_jobs, ", ".join(space.distributions) or "nothing")
+        log.info(
+            "Optuna study %s (%s, sampler %s): %d trials, %d at a time, over %s",
+            study.study_name,
+            self.settings.direction.value,
+            self.settings.sampler.value,
+            self.settings.n_trials,
+            self.settings.n_jobs,
+            ", ".join(space.distributions) or "nothing",
+        )
         jobs: dict[int, int] = {}  # Optuna's trial number -> its job number (folder) in this sweep
         returns = []
         while len(jobs) < self.settings.n_trials:
@@ -78,11 +85,18 @@ class OptunaSweeper(Sweeper):
     def report(self, summary: dict[str, Any], path: Path) -> None:
         """Log the best trial; when every trial of this sweep failed, raise (after the sweep's end callbacks)."""
         if any(t["state"] == "COMPLETE" for t in summary["trials"] if "job" in t):
-            log.info("best value %s with %s (trial %s); every trial in %s", summary["best_value"],
-                     summary["best_params"], summary["best_trial"], path)
+            log.info(
+                "best value %s with %s (trial %s); every trial in %s",
+                summary["best_value"],
+                summary["best_params"],
+                summary["best_trial"],
+                path,
+            )
             return
-        message = f"every trial of this sweep failed (Optuna study {summary['study_name']}): see {path} and the " \
-                  f"trials' folders"
+        message = (
+            f"every trial of this sweep failed (Optuna study {summary['study_name']}): see {path} and the "
+            f"trials' folders"
+        )
         log.error(message)
         # Hydra runs on_multirun_end only when sweep() returns; run it now so the sweep's summary is still written
         assert self.config is not None and self.hydra_context is not None

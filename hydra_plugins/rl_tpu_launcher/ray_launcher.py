@@ -1,4 +1,4 @@
-"""`hydra/launcher=ray`: the sweep's trials at once on a Ray cluster (the work is in rl_tpu/sweep_launcher.py).
+"""`hydra/launcher=ray`: the sweep's trials at once on a Ray cluster (the work is in rl_tpu/sweeps/ray_launcher.py).
 
 Hydra finds launchers only in the `hydra_plugins` package, and imports every module there at start-up,
 so this one stays small and imports Ray only when a sweep launches.
@@ -14,7 +14,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-from rl_tpu.sweep_launcher import RayLauncherConf, launch
+from rl_tpu.sweeps.ray_launcher import RayLauncherConf, launch
 
 ConfigStore.instance().store(group="hydra/launcher", name="ray", node=RayLauncherConf, provider="rl_tpu")
 
@@ -31,5 +31,6 @@ class RayLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
-        return launch(self.settings, self.config, self.hydra_context, self.task_function, job_overrides,
-                      initial_job_idx)
+        return launch(
+            self.settings, self.config, self.hydra_context, self.task_function, job_overrides, initial_job_idx
+        )

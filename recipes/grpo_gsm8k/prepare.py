@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rl_tpu.data import RowError, convert_cli, string_fields, verl_rule_row
+from rl_tpu.data.datasets import RowError, convert_cli, string_fields, verl_rule_row
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

@@ -6,7 +6,7 @@
 A seed changes `seed`, `sampler.seed` and `data.shuffle_seed` (the trainer, the draws, the prompt order)
 and keeps the warm-started model and the held-out set. Every run evaluates greedily at every
 evaluation and draws `trainer.eval_pass_k=8` samples a held-out prompt at T=1 at the first and the last
-(rl_tpu/evaluation.py). The control trains the same starting model on the warm start's teacher for
+(rl_tpu/controller/evaluation.py). The control trains the same starting model on the warm start's teacher for
 GRPO's number of sequences (sft_control.py) and is evaluated by the same code (`trainer.total_steps=0`).
 """
 
@@ -18,14 +18,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rl_tpu.evaluation import pass_at_k_summary
-from rl_tpu.metrics import final_accuracy, read_metrics
+from rl_tpu.controller.evaluation import pass_at_k_summary
+from rl_tpu.outputs.metrics import final_accuracy, read_metrics
 
 SEEDS = (0, 1, 2)
 PRESETS = ("grpo_math", "dapo_math", "dr_grpo_math", "gspo_math")
 CONTROL_LRS = (3e-5, 3e-4)
-COMMON = ["trainer.eval_pass_k=8", "trainer.export=false", "trainer.checkpoint_every=0",
-          "trainer.checkpoint_final=false", "trainer.plots=false"]
+COMMON = [
+    "trainer.eval_pass_k=8",
+    "trainer.export=false",
+    "trainer.checkpoint_every=0",
+    "trainer.checkpoint_final=false",
+    "trainer.plots=false",
+]
 HERE = Path(__file__).resolve().parent
 TOTAL_STEPS = 100  # the recipes' trainer.total_steps
 
@@ -49,10 +54,20 @@ def commands(out: Path) -> dict[Path, list[list[str]]]:
         for seed in SEEDS:
             run_dir = out / f"sft_control_lr{lr:g}" / f"seed{seed}"
             runs[run_dir] = [
-                [sys.executable, str(HERE / "sft_control.py"), "--seed", str(seed), "--lr", str(lr),
-                 "--out", str(run_dir / "model")],
-                main_command(run_dir, ["+recipe=grpo_math", f"model.path={run_dir / 'model'}", "trainer.total_steps=0",
-                                       *seeded(seed)]),
+                [
+                    sys.executable,
+                    str(HERE / "sft_control.py"),
+                    "--seed",
+                    str(seed),
+                    "--lr",
+                    str(lr),
+                    "--out",
+                    str(run_dir / "model"),
+                ],
+                main_command(
+                    run_dir,
+                    ["+recipe=grpo_math", f"model.path={run_dir / 'model'}", "trainer.total_steps=0", *seeded(seed)],
+                ),
             ]
     return runs
 
@@ -78,10 +93,15 @@ def run_result(run_dir: Path) -> dict[str, float]:
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     passes = pass_at_k_summary(records)
-    return {"greedy_start": evals[0], "greedy_final": final_accuracy(evals),
-            "pass@1_start": passes["eval/pass@1_start"], "pass@1_final": passes["eval/pass@1_final"],
-            "pass@8_start": passes["eval/pass@8_start"], "pass@8_final": passes["eval/pass@8_final"],
-            "wall_s": records[-1]["time/elapsed_s"]}
+    return {
+        "greedy_start": evals[0],
+        "greedy_final": final_accuracy(evals),
+        "pass@1_start": passes["eval/pass@1_start"],
+        "pass@1_final": passes["eval/pass@1_final"],
+        "pass@8_start": passes["eval/pass@8_start"],
+        "pass@8_final": passes["eval/pass@8_final"],
+        "wall_s": records[-1]["time/elapsed_s"],
+    }
 
 
 def spread(values: list[float]) -> str:
@@ -99,23 +119,35 @@ def table(out: Path) -> str:
     cases: dict[str, list[dict[str, float]]] = {}
     for name, result in results.items():
         cases.setdefault(name.split("/")[0], []).append(result)
-    lines = ["| run | seeds | greedy start | greedy final | gain | pass@1 start | pass@1 final | pass@8 start | "
-             "pass@8 final | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | seeds | greedy start | greedy final | gain | pass@1 start | pass@1 final | pass@8 start | "
+        "pass@8 final | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for case, rows in cases.items():
         if len(rows) < 2:
             continue
         gain = [r["greedy_final"] - r["greedy_start"] for r in rows]
         cells = [spread([r[key] for r in rows]) for key in ("greedy_start", "greedy_final")]
-        cells += [spread(gain)] + [spread([r[key] for r in rows]) for key in
-                                   ("pass@1_start", "pass@1_final", "pass@8_start", "pass@8_final")]
+        cells += [spread(gain)] + [
+            spread([r[key] for r in rows]) for key in ("pass@1_start", "pass@1_final", "pass@8_start", "pass@8_final")
+        ]
         wall = statistics.median(r["wall_s"] for r in rows)
         lines.append(f"| {case} | {len(rows)} | " + " | ".join(cells) + f" | {wall:.0f} |")
-    per_seed = ["", "| run | " + " | ".join(f"seed {s}: greedy final, pass@1, pass@8" for s in SEEDS) + " |",
-                "|---|" + "---|" * len(SEEDS)]
+    per_seed = [
+        "",
+        "| run | " + " | ".join(f"seed {s}: greedy final, pass@1, pass@8" for s in SEEDS) + " |",
+        "|---|" + "---|" * len(SEEDS),
+    ]
     for case, rows in cases.items():
-        per_seed.append(f"| {case} | " + " | ".join(
-            f"{100 * r['greedy_final']:.1f}, {100 * r['pass@1_final']:.1f}, {100 * r['pass@8_final']:.1f}"
-            for r in rows) + " |")
+        per_seed.append(
+            f"| {case} | "
+            + " | ".join(
+                f"{100 * r['greedy_final']:.1f}, {100 * r['pass@1_final']:.1f}, {100 * r['pass@8_final']:.1f}"
+                for r in rows
+            )
+            + " |"
+        )
     return "\n".join(lines + per_seed)
 
 

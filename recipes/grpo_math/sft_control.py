@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl_tpu.config import RunConfig, cache_path, register_configs
-from rl_tpu.data import split_arithmetic_problems
-from rl_tpu.models import resolve_model_path, warm_start
+from rl_tpu.data.arithmetic import split_arithmetic_problems
+from rl_tpu.models.resolve import resolve_model_path, warm_start
 from rl_tpu.models.tiny import save_hf_folder
 
 SEED_OFFSET = 1000  # the warm start drew its batches with the tiny model's seed (0): draw others
@@ -51,10 +51,21 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(start)
     train, _ = split_arithmetic_problems(cfg.data.ops, cfg.data.max_operand, cfg.data.num_eval, cfg.data.seed)
     torch.manual_seed(SEED_OFFSET + args.seed)
-    print(f"continuing {start} for {steps} steps of {tiny.warm_start_batch_size} ({sequences} sequences), "
-          f"teacher error {tiny.warm_start_teacher_error}, lr {args.lr:g}, seed {args.seed}", flush=True)
-    warm_start(model, tokenizer, train, steps, tiny.warm_start_batch_size, args.lr, tiny.warm_start_teacher_error,
-               SEED_OFFSET + args.seed)
+    print(
+        f"continuing {start} for {steps} steps of {tiny.warm_start_batch_size} ({sequences} sequences), "
+        f"teacher error {tiny.warm_start_teacher_error}, lr {args.lr:g}, seed {args.seed}",
+        flush=True,
+    )
+    warm_start(
+        model,
+        tokenizer,
+        train,
+        steps,
+        tiny.warm_start_batch_size,
+        args.lr,
+        tiny.warm_start_teacher_error,
+        SEED_OFFSET + args.seed,
+    )
     save_hf_folder(model, tokenizer, args.out)
     print(f"saved to {args.out}")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rewards.math import last_boxed
-from rl_tpu.data import RowError, convert_cli, string_fields, verl_rule_row
+from rl_tpu.data.datasets import RowError, convert_cli, string_fields, verl_rule_row
 
 DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."

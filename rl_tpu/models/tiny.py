@@ -19,7 +19,7 @@ EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 def arithmetic_corpus() -> list[str]:
     """Every line ``Q: What is {a} {op} {b}? A: {ans}`` for op in + - * and a, b in 0..99 (seed-free)."""
-    from rl_tpu.data import ARITHMETIC_OPS, arithmetic_prompt
+    from rl_tpu.data.arithmetic import ARITHMETIC_OPS, arithmetic_prompt
 
     return [
         f"{arithmetic_prompt(a, op, b)} {fn(a, b)}"
@@ -38,7 +38,9 @@ def build_tokenizer(vocab_size: int, split_digits: bool) -> PreTrainedTokenizerF
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) if split_digits else byte_level
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -51,8 +53,17 @@ def build_tokenizer(vocab_size: int, split_digits: bool) -> PreTrainedTokenizerF
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD)
 
 
-def build_model(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-                intermediate: int, max_positions: int, seed: int) -> Qwen3ForCausalLM:
+def build_model(
+    vocab_size: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    max_positions: int,
+    seed: int,
+) -> Qwen3ForCausalLM:
     config = Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=hidden,

@@ -1,0 +1,355 @@
+"""Advantages and losses, computed with verl's own `core_algos` so results match verl exactly.
+
+This module is the only place that calls verl's algorithms. It adapts our plain tensors and config
+dataclasses to verl's function signatures and config objects: every advantage estimator verl
+registers that needs no critic, and every policy loss in its registry, by verl's names and keys.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from rl_tpu.config import ActorConfig, AlgorithmConfig, RunConfig, value_of
+
+# verl registers these, but each needs an input rl_tpu does not produce: refused at start, with the reason
+REFUSED_ESTIMATORS = {
+    "gae": "it needs a value model (critic), and rl_tpu trains none",
+    "remax": "it needs a greedy rollout of every prompt as its baseline, and rl_tpu does not generate one",
+    "optimal_token_baseline": "it needs the actor's sum of squared token probabilities before the advantages "
+    "(actor.calculate_sum_pi_squared in verl), and rl_tpu's trainer does not compute it",
+    "tir_optimal_token_baseline": "it needs the actor's sum of squared token probabilities (as "
+    "optimal_token_baseline) and multi-turn rollouts",
+}
+# estimators that compare the completions of one prompt: they need sampler.n >= 2
+GROUP_ESTIMATORS = (
+    "grpo",
+    "grpo_vectorized",
+    "grpo_passk",
+    "gdpo",
+    "rloo",
+    "rloo_vectorized",
+    "opo",
+    "reinforce_plus_plus_baseline",
+    "gpg",
+)
+# losses whose scalar is a plain mean over the micro-batch's rows (not `agg_loss` with the global counts)
+ROW_MEAN_LOSSES = ("geo_mean",)
+# losses that choose tokens by statistics of the micro-batch they see, as verl's do (per micro-batch there too)
+MICRO_BATCH_STATISTIC_LOSSES = ("clip_cov", "kl_cov")
+# losses under which a row whose advantages are all zero still changes the update, and why; under every other
+# loss such a row adds exactly zero to the loss and its gradient (tests/unit/test_algorithms.py checks each mode)
+ZERO_ADVANTAGE_ROWS_COUNT = {
+    "dro": "its penalty on the log-ratio does not scale with the advantage",
+    "clip_cov": "it picks the tokens it clips by statistics of the rows it sees",
+    "kl_cov": "it picks the tokens it penalises by statistics of the rows it sees",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _core_algos():
+    from verl.trainer.ppo import core_algos
+
+    return core_algos
+
+
+def adv_estimators() -> list[str]:
+    """The estimators rl_tpu runs: verl's registry less those that need what rl_tpu does not produce."""
+    return sorted(set(_core_algos().ADV_ESTIMATOR_REGISTRY) - set(REFUSED_ESTIMATORS))
+
+
+def validate_adv_estimator(name: str) -> None:
+    if name in REFUSED_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.adv_estimator={name!r} is not supported: {REFUSED_ESTIMATORS[name]}. "
+            f"Allowed values are {', '.join(adv_estimators())}"
+        )
+    if name not in adv_estimators():
+        raise ValueError(f"algorithm.adv_estimator={name!r}: allowed values are {', '.join(adv_estimators())}")
+
+
+# verl's KL estimators (core_algos.kl_penalty) by the names it accepts; "+": that value, with the k2 gradient
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+")
+
+
+def validate_kl_estimator(key: str, name: str) -> None:
+    """`name`, set at `key`, is one of verl's KL estimators."""
+    if name not in KL_PENALTIES:
+        raise ValueError(f"{key}={name!r}: allowed values are {', '.join(KL_PENALTIES)}")
+
+
+def validate_policy_loss(actor: ActorConfig) -> None:
+    mode = value_of(actor.policy_loss.loss_mode)
+    if mode == "dro" and not (actor.policy_loss.dro_beta or 0) > 0:
+        raise ValueError(
+            "actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (the penalty's "
+            f"coefficient); got {actor.policy_loss.dro_beta}"
+        )
+    if mode == "bypass_mode" and value_of(actor.rollout_is) not in ("auto", "off"):
+        raise ValueError(
+            "actor.policy_loss.loss_mode=bypass_mode computes its own importance weights: set "
+            "actor.policy_loss.rollout_correction.rollout_is instead of actor.rollout_is="
+            f"{value_of(actor.rollout_is)}"
+        )
+    loss_type = actor.policy_loss.rollout_correction.loss_type
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise ValueError(
+            f"actor.policy_loss.rollout_correction.loss_type={loss_type!r}: allowed values are ppo_clip, reinforce"
+        )
+    if actor.ppo_epochs < 1 or (actor.ppo_mini_batch_size is not None and actor.ppo_mini_batch_size < 1):
+        raise ValueError(
+            f"actor.ppo_epochs={actor.ppo_epochs} and actor.ppo_mini_batch_size="
+            f"{actor.ppo_mini_batch_size} must be at least 1 (ppo_mini_batch_size null: the whole batch)"
+        )
+
+
+def why_zero_advantage_rows_count(actor: ActorConfig) -> str | None:
+    """Why, under these settings, a row whose advantages are all zero changes the update (its key and value);
+    None: it adds nothing to the loss or the gradient, so the trainer may leave it out."""
+    mode = value_of(actor.policy_loss.loss_mode)
+    if mode in ZERO_ADVANTAGE_ROWS_COUNT:
+        return f"actor.policy_loss.loss_mode={mode}: {ZERO_ADVANTAGE_ROWS_COUNT[mode]}"
+    if actor.use_kl_loss:
+        return "actor.use_kl_loss=true: the KL term of every row is in the loss"
+    if actor.entropy_coeff != 0.0:
+        return f"actor.entropy_coeff={actor.entropy_coeff}: the entropy of every row is in the loss"
+    return None
+
+
+def validate(cfg: RunConfig, reward_names: list[str]) -> None:
+    """The algorithm settings, checked before anything starts; each error names the key and what is allowed."""
+    algo, actor = cfg.algorithm, cfg.actor
+    validate_adv_estimator(algo.adv_estimator)
+    validate_kl_estimator("actor.kl_loss_type", actor.kl_loss_type)
+    validate_policy_loss(actor)
+    if cfg.sampler.n < 2 and algo.adv_estimator in GROUP_ESTIMATORS:
+        raise ValueError(
+            f"sampler.n={cfg.sampler.n}: {algo.adv_estimator} compares the completions of a prompt, "
+            "so it needs sampler.n >= 2"
+        )
+    if algo.adv_estimator == "gdpo":
+        unknown = set(algo.gdpo_reward_keys or ()) - set(reward_names)
+        if not algo.gdpo_reward_keys or unknown:
+            raise ValueError(
+                f"algorithm.adv_estimator=gdpo normalises each reward component on its own: "
+                f"algorithm.gdpo_reward_keys={algo.gdpo_reward_keys} must name some of this run's "
+                f"rewards, {', '.join(reward_names)} (reward.combine)"
+            )
+    why = why_zero_advantage_rows_count(actor)
+    if cfg.trainer.skip_zero_advantage_rows and why:
+        raise ValueError(
+            f"trainer.skip_zero_advantage_rows=true would change the update: {why}. Leave the key "
+            "unset (null: rows are left out only where that changes nothing) or set it false"
+        )
+    mini = actor.ppo_mini_batch_size
+    if mini is not None and (cfg.data.train_batch_size % mini or (mini * cfg.sampler.n) % cfg.trainer.world_size):
+        raise ValueError(
+            f"actor.ppo_mini_batch_size={mini} prompts must divide data.train_batch_size="
+            f"{cfg.data.train_batch_size}, and its {mini * cfg.sampler.n} sequences must divide evenly "
+            f"over trainer.world_size={cfg.trainer.world_size}"
+        )
+
+
+def _verl_algo_config(cfg: AlgorithmConfig):
+    from verl.trainer.config import AlgoConfig
+
+    return AlgoConfig(
+        adv_estimator=cfg.adv_estimator,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+        gdpo_reward_keys=list(cfg.gdpo_reward_keys) if cfg.gdpo_reward_keys else None,
+        gdpo_reward_weights=list(cfg.gdpo_reward_weights) if cfg.gdpo_reward_weights else None,
+    )
+
+
+def token_level(values: list[float], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, longest) tensors in verl's layout: each value on its row's last completion token, and the mask."""
+    width = max(1, max(lengths))
+    n = torch.tensor(lengths)
+    mask = (torch.arange(width)[None, :] < n[:, None]).float()
+    rewards = torch.zeros(len(values), width)
+    rewards[torch.arange(len(values)), (n - 1).clamp(min=0)] = torch.tensor(values, dtype=torch.float32)
+    return rewards, mask
+
+
+def advantages(
+    rewards: list[float],
+    groups: list[int],
+    lengths: list[int],
+    cfg: AlgorithmConfig,
+    components: dict[str, list[float]] | None = None,
+    token_penalties: list[list[float]] | None = None,
+) -> list[list[float]]:
+    """Each completion token's advantage from the outcome rewards, by `algorithm.adv_estimator`.
+
+    Dispatched as verl's `ray_trainer.compute_advantage` does: the reward sits on each completion's
+    last token, less each token's penalty in `token_penalties` (KL in the reward), `groups` is verl's
+    `uid` (the prompt each completion answers), and `components` holds the reward's named parts
+    (`gdpo` normalises them one by one).
+    """
+    core_algos = _core_algos()
+    name = cfg.adv_estimator
+    validate_adv_estimator(name)
+    token_rewards, mask = token_level(rewards, lengths)
+    for row, penalty in enumerate(token_penalties or ()):
+        token_rewards[row, : len(penalty)] -= torch.tensor(penalty, dtype=torch.float32)
+    index = np.asarray(groups)
+    if name == "grpo":
+        adv, _ = core_algos.compute_grpo_outcome_advantage(
+            token_level_rewards=token_rewards,
+            response_mask=mask,
+            index=index,
+            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+        )
+    else:
+        kwargs = {
+            "token_level_rewards": token_rewards,
+            "response_mask": mask,
+            "index": index,
+            "config": _verl_algo_config(cfg),
+        }
+        if name == "gdpo":
+            kwargs["non_tensor_batch"] = {k: np.asarray(v) for k, v in (components or {}).items()}
+            # verl finds each completion's last token from the attention mask after the prompt columns
+            kwargs["batch"] = {
+                "prompts": torch.zeros(len(rewards), 1, dtype=torch.long),
+                "attention_mask": torch.cat([torch.ones(len(rewards), 1, dtype=torch.long), mask.long()], dim=1),
+            }
+        adv, _ = core_algos.get_adv_estimator_fn(name)(**kwargs)
+    return [row[:n].tolist() for row, n in zip(adv, lengths)]
+
+
+def _verl_actor_config(actor: ActorConfig, response_length: int):
+    """verl's ActorConfig with our `actor` keys (verl reads the losses' settings from it)."""
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import ActorConfig as VerlActorConfig
+    from verl.workers.config import PolicyLossConfig
+
+    p, rc = actor.policy_loss, actor.policy_loss.rollout_correction
+    correction = RolloutCorrectionConfig(
+        rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold, bypass_mode=True, loss_type=rc.loss_type
+    )
+    return VerlActorConfig(
+        strategy="fsdp",
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=1,
+        clip_ratio=actor.clip_ratio,
+        clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=value_of(actor.loss_agg_mode),
+        loss_scale_factor=actor.loss_scale_factor or response_length,
+        tau_pos=actor.tau_pos,
+        tau_neg=actor.tau_neg,
+        policy_loss=PolicyLossConfig(
+            loss_mode=value_of(p.loss_mode),
+            clip_cov_ratio=p.clip_cov_ratio,
+            clip_cov_lb=p.clip_cov_lb,
+            clip_cov_ub=p.clip_cov_ub,
+            kl_cov_ratio=p.kl_cov_ratio,
+            ppo_kl_coef=p.ppo_kl_coef,
+            dro_beta=p.dro_beta,
+            rollout_correction=correction,
+        ),
+    )
+
+
+def pooled(key: str, value) -> bool:
+    """Whether a loss metric is a scalar average, which token-weighting pools over micro-batches (not a max)."""
+    return np.ndim(value) == 0 and not key.endswith(("_max", "_min", "_std", "_max_deviation"))
+
+
+class PolicyLoss:
+    """`actor.policy_loss.loss_mode` (+ the optional KL and entropy terms) of one micro-batch, via verl.
+
+    Normalised by the *global* token / sequence counts of the update's mini-batch, so that summing
+    micro-batch gradients and averaging over data-parallel ranks gives exactly the loss of the whole.
+    """
+
+    def __init__(self, actor: ActorConfig, response_length: int):
+        validate_policy_loss(actor)
+        self.actor = actor
+        self.mode = value_of(actor.policy_loss.loss_mode)
+        self.agg_mode = value_of(actor.loss_agg_mode)
+        self.verl_cfg = _verl_actor_config(actor, response_length)
+        self.loss_fn = _core_algos().get_policy_loss_fn(self.mode)
+
+    def __call__(
+        self,
+        log_prob: torch.Tensor,
+        old_log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        global_tokens: int,
+        global_seqs: int,
+        dp_size: int,
+        ref_log_prob: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        core_algos = _core_algos()
+        batch_info = {
+            "dp_size": dp_size,
+            "batch_num_tokens": global_tokens,
+            "global_batch_size": global_seqs,
+            "loss_scale_factor": self.verl_cfg.loss_scale_factor,
+        }
+        self.verl_cfg.global_batch_info.update(batch_info)
+        loss, metrics = self.loss_fn(
+            old_log_prob=old_log_prob,
+            log_prob=log_prob,
+            advantages=advantages,
+            response_mask=mask,
+            loss_agg_mode=self.agg_mode,
+            config=self.verl_cfg,
+            rollout_is_weights=rollout_is_weights,
+        )
+        if self.mode in ROW_MEAN_LOSSES:  # a mean over this micro-batch's rows, made a share of the global mean
+            loss = loss * (log_prob.shape[0] / global_seqs) * dp_size
+        metrics = {k: float(v.detach() if torch.is_tensor(v) else v) for k, v in metrics.items() if pooled(k, v)}
+        if self.actor.use_kl_loss:
+            kl = core_algos.kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=self.actor.kl_loss_type)
+            kl_loss = core_algos.agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info)
+            loss = loss + self.actor.kl_loss_coef * kl_loss
+            metrics["actor/kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).item()
+        if self.actor.entropy_coeff != 0.0:
+            entropy_loss = core_algos.agg_loss(
+                loss_mat=entropy, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info
+            )
+            loss = loss - self.actor.entropy_coeff * entropy_loss
+        return loss, metrics
+
+
+def rollout_is_level(actor: ActorConfig, async_mode: bool) -> str | None:
+    """The importance weights the trainer applies: token, sequence, or None (bypass_mode computes its own)."""
+    if value_of(actor.policy_loss.loss_mode) == "bypass_mode":
+        return None
+    level = value_of(actor.rollout_is)
+    if level == "auto":
+        return "token" if async_mode else None
+    return None if level == "off" else level
+
+
+def truncated_is_weights(
+    log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, mask: torch.Tensor, threshold: float, level: str = "token"
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance weights min(pi_trainer / pi_sampler, threshold), per token or per sequence, via verl.
+
+    Async mode trains on rollouts the sampler made with weights up to `trainer.max_staleness`
+    versions old, and a bf16 sampler's probabilities differ from the trainer's; these weights
+    correct the policy gradient for either (TIS).
+    """
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    weights, metrics = compute_rollout_correction_weights(
+        log_ratio=(log_prob - sampler_log_prob).detach(),
+        response_mask=mask,
+        rollout_is=level,
+        rollout_is_threshold=threshold,
+    )
+    keep = ("rollout_is_mean", "rollout_is_ratio_fraction_high")  # averages, so micro-batches can be pooled
+    return weights, {f"actor/{k}": float(v) for k, v in metrics.items() if k in keep}

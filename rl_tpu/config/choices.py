@@ -1,0 +1,103 @@
+"""The choices of the config's enum keys (Hydra lists them when a value is not one), and `value_of`."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+def value_of(setting: "Enum | str") -> str:
+    """The plain string of an enum setting (structured configs give enums, plain callers strings)."""
+    return setting.value if isinstance(setting, Enum) else setting
+
+
+class DeviceKind(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    tpu = "tpu"
+
+
+class Layout(str, Enum):
+    auto = "auto"  # disaggregated when the devices can hold trainer and engines apart, else colocated
+    colocated = "colocated"  # engines share the trainer ranks' devices (on CUDA they sleep while it trains)
+    disaggregated = "disaggregated"  # engines on devices of their own
+
+
+class PinCores(str, Enum):
+    auto = "auto"  # pinned on a one-host CPU run in async mode (trainer and engines compute at once)
+    on = "on"  # pinned on every CPU node
+    off = "off"  # the OS schedules every actor's threads anywhere
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class ResumeMode(str, Enum):
+    off = "off"  # start at step 0 (or at trainer.resume_from)
+    auto = "auto"  # continue from the run folder's newest complete checkpoint, if it has one
+
+
+class Tracker(str, Enum):
+    console = "console"  # the progress bar
+    jsonl = "jsonl"  # metrics.jsonl: always written (resume and the reports read it)
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    mlflow = "mlflow"
+    trackio = "trackio"
+    swanlab = "swanlab"
+    clearml = "clearml"
+
+
+# verl's names, dashes and all: OmegaConf looks enum values up by member name, so the names are verl's strings
+LossAggMode = Enum(
+    "LossAggMode",
+    {
+        mode: mode
+        for mode in (
+            "token-mean",
+            "token-sum",
+            "seq-mean-token-sum",
+            "seq-mean-token-mean",
+            "seq-mean-token-sum-norm",  # Dr. GRPO: token sums over a constant length
+        )
+    },
+    type=str,
+)
+
+
+class LossMode(str, Enum):
+    """verl 0.9.1's registered policy losses (core_algos.POLICY_LOSS_REGISTRY), by its names."""
+
+    vanilla = "vanilla"  # PPO-clip (dual-clip below with clip_ratio_c)
+    gspo = "gspo"  # sequence-level ratio (GSPO)
+    gpg = "gpg"  # no ratio: -A * logprob (GPG)
+    clip_cov = "clip_cov"  # clip the tokens of highest covariance (Clip-Cov)
+    kl_cov = "kl_cov"  # a KL term on the tokens of highest covariance (KL-Cov)
+    geo_mean = "geo_mean"  # geometric mean of the token ratios (GMPO)
+    cispo = "cispo"  # clipped IS weight times the logprob gradient (CISPO)
+    sapo = "sapo"  # soft gates instead of hard clipping (SAPO; aggregates seq-mean-token-mean)
+    dppo_kl = "dppo_kl"  # divergence-based trust region, KL (DPPO)
+    dppo_tv = "dppo_tv"  # divergence-based trust region, total variation (DPPO)
+    dro = "dro"  # quadratic log-ratio penalty (needs policy_loss.dro_beta)
+    bypass_mode = "bypass_mode"  # old logprobs are the sampler's; PPO-clip or REINFORCE (rollout_correction)
+
+
+class OldLogprobSource(str, Enum):
+    trainer = "trainer"  # recomputed by the trainer before the first update (verl's default)
+    sampler = "sampler"  # the sampler's own logprobs (no extra forward; the ratio also holds the mismatch)
+
+
+class RolloutIS(str, Enum):
+    auto = "auto"  # token-level in async mode, off in the synchronous loop
+    token = "token"  # per-token truncated importance weights (TIS)
+    sequence = "sequence"  # one weight per sequence: the product of its token ratios, truncated
+    off = "off"
+
+
+class SyncTransport(str, Enum):
+    object_store = "object_store"
+    shm_file = "shm_file"
+    collective = "collective"
+    tpu_sync = "tpu_sync"  # TPU hosts only; not yet run on hardware (rl_tpu/sync/tpu_sync.py)

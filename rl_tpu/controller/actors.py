@@ -1,0 +1,253 @@
+"""The actors of a run: placed, started, checked, and called with deadlines.
+
+`start_workers` plans and reserves the placement (rl_tpu/cluster/placement.py), starts the trainer
+ranks (rendezvous at rank 0's node) and the engines in their bundles, and checks what a run on
+several hosts needs before the first step: transports that can reach, a run folder that every
+rank sees. `Workers` is what the controller's loop calls; every call waits with a deadline
+and names the actor that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from rl_tpu.cluster import cores as cpu_binding
+from rl_tpu.cluster import placement
+from rl_tpu.cluster.actor_logs import actor_name
+from rl_tpu.cluster.calls import ActorError, gather
+from rl_tpu.config import RunConfig, TrainerConfig, value_of
+from rl_tpu.records import TrainBatch, WeightBundle
+from rl_tpu.sampler.engine import EngineOptions, launch_sampler
+from rl_tpu.sampler.pool import EngineRecovery, SamplerPool
+from rl_tpu.trainer.worker import TrainerWorker
+
+log = logging.getLogger(__name__)
+
+# vLLM's share of an accelerator's memory when sampler.gpu_memory_utilization is unset
+GPU_MEMORY_OWN_DEVICE, GPU_MEMORY_COLOCATED = 0.85, 0.4
+
+
+@dataclass
+class Workers:
+    trainers: list  # Ray actor handles of TrainerWorker, rank order
+    samplers: SamplerPool
+    reservation: placement.Reservation
+    cfg: RunConfig
+    log_dir: str
+
+    @property
+    def trainer_names(self) -> list[str]:
+        return [actor_name("trainer", rank) for rank in range(len(self.trainers))]
+
+    def actors(self) -> list[tuple[str, object]]:
+        """(name, handle) of every trainer rank, then every engine."""
+        return [*zip(self.trainer_names, self.trainers), *zip(self.samplers.names, self.samplers.engines)]
+
+    def on_trainers(self, method: str, what: str, *args, timeout_s: float | None = None) -> list:
+        """The same call on every rank (they are collective), waited for together."""
+        calls = [(name, getattr(t, method).remote(*args)) for name, t in zip(self.trainer_names, self.trainers)]
+        return gather(calls, what, timeout_s or self.cfg.ray.call_timeout_s, self.log_dir)
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One update on every rank; rank 0's metrics (they are reduced over ranks)."""
+        return self.on_trainers("train_step", "train step", ray.put(batch))[0]
+
+    def token_kl(self, batch: TrainBatch) -> list[list[float]]:
+        """Each completion token's KL between the policy and the reference model, in batch order."""
+        shards = self.on_trainers("token_kl", "KL to the reference model", ray.put(batch))
+        return [row for shard in shards for row in shard]  # ranks hold contiguous slices, in rank order
+
+    def publish(self, version: int) -> WeightBundle:
+        """Every rank sends its share of the buckets; the engines get them as one bundle."""
+        return WeightBundle.merge(self.on_trainers("publish_weights", f"publishing weights v{version}", version))
+
+    def install(self, bundle: WeightBundle, wait: bool = True) -> dict[str, float]:
+        """Every engine installs the bundle (woken first if it slept while the trainer trained); its figures.
+
+        Without waiting (wait=False) it sends the bundle and returns at once, with the figures of the install
+        before if that one was not waited for (none at first); generations sent after it wait for it on their
+        engines."""
+        timeout = self.cfg.ray.call_timeout_s
+        if self.reservation.plan.engines_sleep:
+            self.samplers.call("wake_up", "waking the engines", timeout)
+        return self.samplers.install(bundle, timeout) if wait else self.samplers.start_install(bundle, timeout)
+
+    def release_devices(self) -> None:
+        """Colocated on CUDA: the engines hand the GPU to the trainer until the next install."""
+        if self.reservation.plan.engines_sleep:
+            self.samplers.call("sleep", "putting the engines to sleep", self.cfg.ray.call_timeout_s)
+
+    def locations(self) -> list[dict]:
+        calls = [(name, actor.where.remote()) for name, actor in self.actors()]
+        return gather(calls, "reporting locations", self.cfg.ray.start_timeout_s, self.log_dir)
+
+    def shutdown(self) -> None:
+        for name, handle in reversed(self.actors()):  # engines first, as before the trainer ranks
+            try:
+                ray.get(handle.shutdown.remote(), timeout=60)
+            except Exception as err:  # a dead actor has nothing left to release
+                log.warning("shutdown of %s failed: %s", name, err)
+        self.reservation.release()  # also ends the actors placed in it
+
+
+def start_workers(
+    cfg: RunConfig, model_path: Path, run_dir: Path, kind: str, plan: placement.Plan | None = None
+) -> Workers:
+    """Place and start the trainer ranks and engines on device `kind`; the run folder gets placement.json."""
+    plan = plan or placement.make_plan(cfg, kind, ray.cluster_resources())
+    log.info("placement: %s; %s", plan.summary(), plan.why)
+    reservation = placement.reserve(plan, cfg.ray.placement_timeout_s)
+    log_dir = str(run_dir / "logs")
+    workers = Workers([], SamplerPool([], log_dir), reservation, cfg, log_dir)
+    if restarts_in_place(cfg):
+        workers.samplers.recovery = EngineRecovery(workers.publish, cfg.sampler.max_restarts, cfg.ray.start_timeout_s)
+    try:
+        check_transport_reach(cfg, reservation)
+        actor_cfg = dataclasses.replace(cfg, device=kind)  # resolved again on each actor's node
+        trainer_cores, engine_cores = bind_cores(cfg, kind, reservation)
+        _start_trainers(workers, actor_cfg, model_path, log_dir, trainer_cores)
+        _start_engines(workers, actor_cfg, model_path, log_dir, engine_cores)
+        # start-up errors (a bad model folder, a missing device) surface here, named, not at the first step
+        gather(
+            [(name, actor.__ray_ready__.remote()) for name, actor in workers.actors()],
+            "starting the actors",
+            cfg.ray.start_timeout_s,
+            log_dir,
+        )
+        if value_of(cfg.sync.transport) == "tpu_sync":
+            workers.on_trainers(
+                "connect_tpu_sync", "tpu_sync handshake", workers.samplers.engines, timeout_s=cfg.ray.start_timeout_s
+            )
+        check_shared_run_dir(workers, run_dir)
+        write_placement(workers, run_dir)
+    except BaseException:
+        workers.shutdown()
+        raise
+    return workers
+
+
+def bind_cores(cfg: RunConfig, kind: str, reservation: placement.Reservation) -> tuple[list, list]:
+    """Each trainer rank's and engine's `CpuBinding` (threads, and cores when `pin_cores` pins them)."""
+    plan = reservation.plan
+    trainer_nodes = [reservation.trainer_node(r) for r in range(cfg.trainer.world_size)]
+    engine_nodes = [reservation.sampler_node(e) for e in range(plan.num_engines)]
+    here = ray.get_runtime_context().get_node_id()
+    node_cores = {node["NodeID"]: int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node["Alive"]}
+    if here in node_cores:  # this host's real cores (a local cluster counts one more CPU than it has)
+        node_cores[here] = len(os.sched_getaffinity(0))
+    one_host = set(trainer_nodes + engine_nodes) == {here}
+    pin = cpu_binding.should_pin(cfg, kind, one_host)
+    return cpu_binding.bind(cfg, trainer_nodes, engine_nodes, pin, node_cores, f"rl_tpu-{uuid.uuid4().hex[:12]}")
+
+
+def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
+    reservation = workers.reservation
+    master_addr, master_port = placement.free_address_on(reservation.trainer_node(0), cfg.ray.start_timeout_s)
+    trainer_cls = ray.remote(TrainerWorker)
+    for rank, binding in enumerate(bindings):
+        options = reservation.trainer_options(rank)
+        workers.trainers.append(
+            trainer_cls.options(**options, runtime_env={"env_vars": trainer_env(cfg.trainer, model_path)}).remote(
+                cfg, str(model_path), rank, cfg.trainer.world_size, master_addr, master_port, log_dir, binding
+            )
+        )
+
+
+def trainer_env(trainer: TrainerConfig, model_path: Path) -> dict[str, str]:
+    """The environment of a trainer rank's process (see `trainer.return_freed_memory`)."""
+    return {
+        **cpu_binding.CpuBinding(trainer.threads_per_rank).env(),
+        **({"MALLOC_MMAP_THRESHOLD_": str(2**20)} if returns_freed_memory(trainer, model_path) else {}),
+    }
+
+
+def returns_freed_memory(trainer: TrainerConfig, model_path: Path) -> bool:
+    """`trainer.return_freed_memory`, or by default whether the weight files hold 256 MiB or more: below that
+    the heap's retained blocks are small, and mapping every activation afresh costs more than it saves."""
+    if trainer.return_freed_memory is not None:
+        return trainer.return_freed_memory
+    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors")) >= 256 * 2**20
+
+
+def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
+    plan, s = workers.reservation.plan, cfg.sampler
+    memory = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if plan.layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
+    max_len = cfg.data.max_prompt_length + s.response_length
+    restarts = s.max_restarts if workers.samplers.recovery else 0
+    for engine, binding in enumerate(bindings):
+        options = EngineOptions(
+            engine, log_dir, plan.engines_sleep, memory, s.enforce_eager, cfg.model.fp32_residual, binding
+        )
+        ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
+        workers.samplers.engines.append(
+            launch_sampler(
+                str(model_path),
+                value_of(cfg.model.dtype),
+                max_len,
+                s.kv_cache_gb,
+                s.seed + engine,
+                options,
+                ray_options,
+            )
+        )
+
+
+def restarts_in_place(cfg: RunConfig) -> bool:
+    """A lost engine can rejoin alone when each install is a call of its own (not a broadcast every engine joins)."""
+    return cfg.sampler.max_restarts > 0 and value_of(cfg.sync.transport) in ("object_store", "shm_file")
+
+
+def check_transport_reach(cfg: RunConfig, reservation: placement.Reservation) -> None:
+    """`shm_file` passes files through one node's shared memory: rank 0 and every engine must share that node."""
+    if value_of(cfg.sync.transport) != "shm_file":
+        return
+    home = reservation.trainer_node(0)
+    away = [e for e in range(reservation.plan.num_engines) if reservation.sampler_node(e) != home]
+    if away:
+        raise placement.PlacementError(
+            f"sync.transport=shm_file passes weights as files in {cfg.sync.shm_dir} on one node, but engine(s) "
+            f"{away} were placed on another node than trainer rank 0: use sync.transport=object_store or collective "
+            "across nodes"
+        )
+
+
+def check_shared_run_dir(workers: Workers, run_dir: Path) -> None:
+    """Checkpoints, the export and actor logs go to the run folder: a marker rank 0 writes must be seen by all."""
+    marker = run_dir / f".shared-check-{uuid.uuid4().hex[:8]}"
+    gather(
+        [(workers.trainer_names[0], workers.trainers[0].touch.remote(str(marker)))],
+        "writing the shared-storage marker",
+        60,
+        workers.log_dir,
+    )
+    try:
+        seen = workers.on_trainers("sees", "checking the shared-storage marker", str(marker), timeout_s=60)
+        blind = [name for name, ok in zip(workers.trainer_names, seen) if not ok] + (
+            [] if marker.exists() else ["the driver"]
+        )
+    finally:
+        marker.unlink(missing_ok=True)
+    if blind:
+        raise ActorError(
+            f"the run folder {run_dir} is not shared storage: a file trainer_0 wrote there is not visible "
+            f"to {', '.join(blind)}. Checkpoints, the export and actor logs are written there by several "
+            "processes; on several hosts put it on storage every node mounts at the same path "
+            "(hydra.run.dir=/shared/...)"
+        )
+
+
+def write_placement(workers: Workers, run_dir: Path) -> None:
+    """placement.json: the plan and where each actor runs, as the actors themselves report it."""
+    plan = workers.reservation.plan
+    record = {"layout": plan.layout, "why": plan.why, "plan": dataclasses.asdict(plan), "actors": workers.locations()}
+    (run_dir / "placement.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    for actor in record["actors"]:
+        log.info("%s on node %s (%s), pid %s", actor["actor"], actor["node_id"][:12], actor["node_ip"], actor["pid"])

@@ -1,0 +1,148 @@
+"""The sampler's side of the loop: generation batches queued ahead, graded, and shaped into a step's batch.
+
+Generation batches are numbered 1, 2, ... in the order the prompt stream yields them. A step takes
+one, or several with dynamic sampling (rl_tpu/controller/batch_shaping.py); how many have been taken is
+saved with each checkpoint, so that a resumed run draws the same prompts next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from rl_tpu.config import RunConfig
+from rl_tpu.controller import batch_shaping
+from rl_tpu.controller.actors import Workers
+from rl_tpu.controller.batch_shaping import GradedBatch
+from rl_tpu.data.datasets import Example
+from rl_tpu.grader.grader import Grader, Sample
+from rl_tpu.records import Rollout
+from rl_tpu.sampler.engine import SamplingSettings
+from rl_tpu.sampler.pool import PendingRollouts
+
+
+def sampling_seed(seed: int, batch: int, prompt: int) -> int:
+    """The seed of one prompt's draws in one generation batch: fixed by the run's seed alone, so a resumed run
+    repeats them. Without dynamic sampling the batch number is the step."""
+    digest = hashlib.blake2b(f"{seed}:{batch}:{prompt}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig, batch: int) -> PendingRollouts:
+    s = cfg.sampler
+    settings = SamplingSettings(s.n, s.temperature, s.top_p, s.top_k, s.response_length)
+    seeds = [sampling_seed(s.seed, batch, i) for i in range(len(prompts))]
+    return workers.samplers.generate([p.prompt_ids for p in prompts], settings, seeds)
+
+
+def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Future:
+    """Start grading the decoded completions; the future's result is `Grades`, in rollout order."""
+    samples = []
+    for rollout in rollouts:
+        example = prompts[rollout.group]
+        text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
+        samples.append(Sample(example.data_source, text, example.ground_truth, example.extra_info))
+    return grader.submit(samples)
+
+
+class RolloutQueue:
+    """Generation batches queued on the sampler in order, `trainer.max_staleness` steps ahead at most.
+
+    The sampler runs its calls in order, so a batch queued after new weights arrive is generated with them
+    or newer ones."""
+
+    def __init__(self, workers: Workers, prompt_batches: Iterator[list[Example]], cfg: RunConfig, taken: int):
+        """`taken`: generation batches the steps before this one used (the prompt stream is past them)."""
+        self.workers, self.prompt_batches, self.cfg = workers, prompt_batches, cfg
+        self.pending: deque[tuple[list[Example], PendingRollouts]] = deque()
+        self.taken = taken
+
+    def _queue_one(self) -> None:
+        number = self.taken + len(self.pending) + 1  # the batches taken, then those waiting, come before it
+        prompts = next(self.prompt_batches)
+        self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg, number)))
+
+    def fill_after(self, step: int) -> None:
+        """With `step` trained and its weights in the sampler, keep `max_staleness + 1` batches queued (fewer near
+        the end: one per step left)."""
+        ahead = min(self.cfg.trainer.max_staleness + 1, self.cfg.trainer.total_steps - step)
+        while len(self.pending) < ahead:
+            self._queue_one()
+
+    def pop(self, step: int) -> tuple[list[Example], PendingRollouts]:
+        """The next batch for `step` (queued now if none is)."""
+        self.fill_after(step - 1)
+        if not self.pending:
+            self._queue_one()
+        self.taken += 1
+        return self.pending.popleft()
+
+
+@dataclass
+class StepRollouts:
+    """What a step trains on, and everything generated for it."""
+
+    batch: GradedBatch  # the groups the update uses
+    generated: GradedBatch  # every group generated for the step (the reward metrics describe these)
+    gen_batches: int  # generation batches taken for the step
+    generate_s: float  # waiting for the sampler
+    reward_s: float  # grading and shaping
+    shares: dict[str, float]  # each engine's share of the first batch
+    varied_groups: int | None  # dynamic sampling: groups of the batch whose rewards vary
+
+    def metrics(self) -> dict[str, float]:
+        out = {"data/gen_batches": float(self.gen_batches), "data/groups_generated": float(len(self.generated.prompts))}
+        if self.varied_groups is not None:
+            out["data/varied_groups"] = float(self.varied_groups)
+        return out
+
+
+def check_versions(step: int, rollouts: list[Rollout], cfg: RunConfig) -> None:
+    allowed = range(max(step - 1 - cfg.trainer.max_staleness, 0), step)
+    outside = {r.weight_version for r in rollouts} - set(allowed)
+    if outside:
+        raise RuntimeError(
+            f"step {step}: rollouts from weight versions {sorted(outside)}, allowed {allowed.start} to "
+            f"{step - 1} (trainer.max_staleness={cfg.trainer.max_staleness})"
+        )
+
+
+def next_graded(
+    step: int, queue: RolloutQueue, tokenizer, grader: Grader, cfg: RunConfig
+) -> tuple[GradedBatch, float, float, dict[str, float]]:
+    """One generation batch, waited for, checked and graded, with the overlong penalty in its scores."""
+    t0 = time.perf_counter()
+    prompts, pending = queue.pop(step)
+    rollouts: list[Rollout] = pending.result(cfg.ray.call_timeout_s)
+    check_versions(step, rollouts, cfg)
+    t1 = time.perf_counter()
+    grades = grade(rollouts, prompts, tokenizer, grader).result()
+    penalties = batch_shaping.overlong_penalties(
+        [len(r.completion_ids) for r in rollouts], cfg.sampler.response_length, cfg.reward.overlong_buffer
+    )
+    grades = dataclasses.replace(grades, scores=[s + p for s, p in zip(grades.scores, penalties)])
+    return GradedBatch(prompts, rollouts, grades), t1 - t0, time.perf_counter() - t1, pending.shares()
+
+
+def collect(step: int, queue: RolloutQueue, tokenizer, grader: Grader, cfg: RunConfig) -> StepRollouts:
+    """The step's rollouts: one generation batch, or with `algorithm.filter_groups` as many as it takes (up to
+    `max_num_gen_batches`) to fill the batch with groups whose rewards vary."""
+    groups = cfg.algorithm.filter_groups
+    parts, generate_s, reward_s, shares = [], 0.0, 0.0, None
+    while True:
+        part, waited, graded, part_shares = next_graded(step, queue, tokenizer, grader, cfg)
+        parts.append(part)
+        generate_s, reward_s, shares = generate_s + waited, reward_s + graded, shares or part_shares
+        generated = GradedBatch.concat(parts)
+        batch, varied = generated, None
+        if groups.enable:
+            batch, varied = batch_shaping.fill_with_varied_groups(
+                generated, cfg.data.train_batch_size, groups.metric, last_try=len(parts) >= groups.max_num_gen_batches
+            )
+        if batch is not None:
+            return StepRollouts(batch, generated, len(parts), generate_s, reward_s, shares, varied)

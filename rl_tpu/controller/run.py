@@ -1,0 +1,224 @@
+"""The driver: builds the parts, then runs the loop (generate -> grade -> advantages -> train -> push weights).
+
+One loop for both modes. Synchronous (`trainer.max_staleness=0`): the sampler generates batch
+t with the weights of step t-1. Async (`max_staleness=k`): the sampler works up to k batches
+ahead, so batch t may come from weights t-1-k .. t-1 and the sampler generates while the
+trainer trains and the grader grades; the trainer corrects the policy gradient with truncated
+importance weights. Every rollout's weight version is checked against that window. The
+sampler runs its calls in order, so a generation queued before a weight install uses the
+older weights; in async mode the driver does not wait for the install, and the generations sent
+after it wait for it on their engine. The held-out evaluation is graded while the sampler generates
+the next batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rl_tpu.algorithms.kl_reward import KLInReward
+from rl_tpu.cluster import placement
+from rl_tpu.cluster.placement import start_ray
+from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
+from rl_tpu.controller import evaluation
+from rl_tpu.controller.actors import Workers, start_workers
+from rl_tpu.controller.checks import validate
+from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
+from rl_tpu.controller.rollouts import RolloutQueue
+from rl_tpu.controller.step import grpo_step
+from rl_tpu.data.arithmetic import ensure_arithmetic_dataset
+from rl_tpu.data.datasets import Example, batches, load_examples
+from rl_tpu.grader.grader import Grader
+from rl_tpu.models import precision
+from rl_tpu.models.resolve import check_decoder, resolve_model_path
+from rl_tpu.outputs import checkpoints, plots, tracking
+from rl_tpu.outputs.export import push_to_hub, write_model_card
+from rl_tpu.outputs.metrics import MetricsLogger, final_accuracy
+
+log = logging.getLogger(__name__)
+
+
+def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
+    d = cfg.data
+    if d.train_files:
+        if not d.val_files:
+            raise ValueError("data.train_files is set but data.val_files is not; held-out accuracy needs a val file")
+        return Path(d.train_files), Path(d.val_files)
+    return ensure_arithmetic_dataset(cache_dir / "data", d.ops, d.max_operand, d.num_eval, d.seed)
+
+
+@dataclass
+class Job:
+    """What every attempt of a run shares: its settings, its inputs, and the outputs it continues."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model_path: Path
+    kind: str  # the device kind the actors run on
+    tokenizer: Any
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    grader: Grader
+    logger: MetricsLogger
+    stop: StopRequest
+
+
+def save_checkpoint(job: Job, workers: Workers, step: int, queue: RolloutQueue, kl: KLInReward | None) -> Path:
+    folder = checkpoints.folder_for(job.run_dir, step)
+    workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder))
+    checkpoints.save_data_position(folder, queue.taken)
+    if kl is not None:
+        checkpoints.save_kl_coef(folder, kl.coef)
+    checkpoints.prune(job.run_dir, job.cfg.trainer.keep_last)
+    return folder
+
+
+def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, Path | None]:
+    """Load the trainer state and give the sampler the same weights; returns the step to continue after, and
+    the checkpoint of that step (None: the run starts).
+
+    `trainer.resume=auto` and a restart continue this run folder (its metrics too); `trainer.resume_from`
+    starts a new folder from another run's checkpoint.
+    """
+    t = job.cfg.trainer
+    checkpoint = checkpoints.resume_point(job.run_dir, restarted or value_of(t.resume) == "auto", t.resume_from)
+    if checkpoint is None:
+        job.logger.truncate_after(None)
+        return 0, None
+    step = checkpoints.step_of(checkpoint)
+    workers.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
+    workers.install(workers.publish(step))
+    job.logger.truncate_after(step if checkpoint.is_relative_to(job.run_dir) else None)
+    log.info("resumed from %s at step %d", checkpoint, step)
+    return step, checkpoint
+
+
+def stop_early(job: Job, workers: Workers, step: int, saved: int, queue: RolloutQueue, kl: KLInReward | None) -> None:
+    """A signal asked the run to stop: save after `step` unless that is saved already, and stop."""
+    checkpoint = checkpoints.folder_for(job.run_dir, saved) if saved else None
+    if step > saved:
+        checkpoint = save_checkpoint(job, workers, step, queue, kl)
+    raise RunInterrupted(step, job.stop.requested, checkpoint)
+
+
+def train(job: Job, restarted: bool) -> None:
+    """One attempt at the run: start the actors, continue from the resume point, run the remaining steps."""
+    cfg, logger = job.cfg, job.logger
+    total, timeout = cfg.trainer.total_steps, cfg.ray.call_timeout_s
+    checkpoint_every = checkpoints.every(cfg.trainer.checkpoint_every, total)
+    workers = start_workers(cfg, job.model_path, job.run_dir, job.kind)
+    try:
+        start_step, checkpoint = resume(job, workers, restarted)
+        taken = checkpoints.data_position(checkpoint) if checkpoint else 0
+        kl = KLInReward(cfg.algorithm, checkpoints.kl_coef(checkpoint)) if cfg.algorithm.use_kl_in_reward else None
+        if not logger.records:  # a run continuing its own folder has its evaluation at start_step already
+            first = evaluation.start_eval(workers.samplers, job.eval_examples, cfg, with_samples=True)
+            logger.log(
+                start_step, {**first.finish(job.tokenizer, job.grader, timeout), "sync/version": float(start_step)}
+            )
+        order_seed = cfg.data.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed
+        prompt_batches = batches(job.train_examples, cfg.data.train_batch_size, order_seed)
+        for _ in range(taken):  # the same batches a run that never stopped would see next
+            next(prompt_batches)
+        queue = RolloutQueue(workers, prompt_batches, cfg, taken)
+        guard, saved = SkippedStepGuard(cfg.trainer.max_skipped_steps), start_step
+        for step in range(start_step + 1, total + 1):
+            if job.stop.requested:
+                stop_early(job, workers, step - 1, saved, queue, kl)
+            metrics, prompts = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg, kl)
+            guard.observe(step, metrics, prompts)
+            pending_eval = None
+            if step % cfg.trainer.eval_every == 0 or step == total:
+                pending_eval = evaluation.start_eval(workers.samplers, job.eval_examples, cfg, step == total)
+            queue.fill_after(step)  # behind the evaluation on the sampler: this step's weights or older
+            if pending_eval is not None:
+                metrics.update(pending_eval.finish(job.tokenizer, job.grader, timeout))
+            logger.log(step, metrics)
+            if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
+                save_checkpoint(job, workers, step, queue, kl)
+                saved = step
+        workers.samplers.finish_install()  # async: the last step's (its evaluation waited for it already)
+        if cfg.trainer.export:
+            workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
+            write_model_card(job.run_dir / "export", job.run_dir, value_of(cfg.model.dtype))
+            if cfg.trainer.push_to_hub:
+                push_to_hub(job.run_dir / "export", cfg.trainer.push_to_hub)
+    finally:
+        workers.shutdown()
+
+
+def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]) -> None:
+    """What the model and the data decide, checked before Ray starts."""
+    if cfg.data.train_batch_size > len(train_examples):
+        raise ValueError(
+            f"data.train_batch_size={cfg.data.train_batch_size} is larger than the "
+            f"{len(train_examples)} usable prompts of {cfg.data.train_files or 'the arithmetic task'}"
+        )
+    check_decoder(model_path, cfg.model.fp32_residual and value_of(cfg.model.dtype) != "float32")
+
+
+def load_datasets(cfg: RunConfig, cache_dir: Path, tokenizer) -> tuple[list[Example], list[Example]]:
+    train_path, val_path = dataset_paths(cfg, cache_dir)
+    train = load_examples(train_path, tokenizer, cfg.data)
+    held_out = load_examples(val_path, tokenizer, cfg.data, max_rows=cfg.data.val_max_samples)
+    return train, held_out
+
+
+def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, float]:
+    """Train as configured, writing metrics and the export into `run_dir`; returns the summary.
+
+    Raises `RunInterrupted` when SIGTERM or SIGINT stopped it early (after saving a checkpoint).
+    """
+    from transformers import AutoTokenizer
+
+    started = time.monotonic()
+    validate(cfg)
+    cache_dir = cache_path(cfg)
+    model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
+    check_inputs(cfg, model_path, train_examples)
+    grader = Grader(cfg.reward, cfg.custom_reward_function)
+    show_progress = show_progress and Tracker.console in cfg.trainer.logger
+    logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress, tracking.for_run(cfg, run_dir), started)
+    try:
+        start_ray(cfg.ray)  # before the signal handlers: ray.init installs a SIGTERM handler of its own
+        kind = placement.device_kind(cfg.device, ray.cluster_resources())
+        if value_of(cfg.sync.transport) == "tpu_sync" and kind != "tpu":
+            raise ValueError(
+                f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {kind}: "
+                "use object_store, shm_file or collective"
+            )
+        if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
+            log.warning(why)
+        log.info(
+            "model %s, %d train / %d eval prompts, reward %s, device %s",
+            model_path,
+            len(train_examples),
+            len(eval_examples),
+            grader.describe(),
+            kind,
+        )
+        with StopRequest() as stop:
+            job = Job(cfg, run_dir, model_path, kind, tokenizer, train_examples, eval_examples, grader, logger, stop)
+            with_restarts(lambda restarts: train(job, restarted=restarts > 0), cfg.trainer.max_restarts)
+    finally:
+        logger.close()
+        grader.close()
+    evals = logger.evals()
+    summary = {
+        "eval/accuracy_start": evals[0],
+        "eval/accuracy_final": final_accuracy(evals),
+        **evaluation.pass_at_k_summary(logger.records),
+        "steps": cfg.trainer.total_steps,
+        "time/wall_s": time.monotonic() - started,
+    }
+    log.info("%s", evaluation.describe(summary))
+    if cfg.trainer.plots and cfg.trainer.total_steps and (folder := plots.plot_finished_run(run_dir)):
+        log.info("plots in %s", folder)
+    return summary

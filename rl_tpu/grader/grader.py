@@ -1,0 +1,345 @@
+"""The grader: scores completions with reward functions in a pool of worker processes.
+
+Rewards are verl-signature functions (built-ins from `rewards/`, or a plugin file). They run
+in `reward.num_workers` processes (`rl_tpu.grader.processes`), so a plugin that hangs, crashes
+or leaks cannot take the run down: a sample whose reward runs past `reward.timeout_s` has
+its worker killed and replaced; a sample whose reward raised, timed out, killed its worker or
+returned something that is not a finite number scores 0.0, is counted, and is logged with
+its index and the error. Only when more than `reward.max_failure_rate` of one batch fails
+does the run stop, with `RewardError` naming the plugin and the first traceback.
+
+`Grader.submit` returns a future, so the controller can grade while the sampler generates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from rewards import BUILTIN_REWARDS
+from rl_tpu.config import CustomRewardConfig, RewardConfig
+from rl_tpu.grader.processes import RewardSource, Sample, WorkerLimits
+
+log = logging.getLogger(__name__)
+
+CUSTOM = "custom"  # the key of the plugin in reward.combine and in metrics
+WORKER_START_TIMEOUT_S = 120
+# What a reward worker keeps of this process's environment without reward.pass_env: enough to run
+# Python and find temporary storage, and nothing that usually holds a secret (tokens, keys, passwords).
+BASE_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONHASHSEED")
+
+
+def worker_environment(pass_env: list[str]) -> dict[str, str]:
+    kept = {name: os.environ[name] for name in (*BASE_ENV, *pass_env) if name in os.environ}
+    # the workers import what this process imports (rewards/, the plugin's own imports)
+    return {**kept, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+
+
+class RewardError(RuntimeError):
+    """Too many samples of a batch could not be scored, or a reward function could not be loaded."""
+
+
+def custom_reward(reward: RewardConfig, alias: CustomRewardConfig) -> CustomRewardConfig | None:
+    """The plugin set by `reward.custom` or by verl's `custom_reward_function` key (not both)."""
+    if reward.custom.path and alias.path and (reward.custom.path, reward.custom.name) != (alias.path, alias.name):
+        raise ValueError(
+            f"reward.custom ({reward.custom.path}:{reward.custom.name}) and custom_reward_function "
+            f"({alias.path}:{alias.name}) name different plugins; set only one of them"
+        )
+    if alias.path and not reward.custom.path:  # the alias names the file; kwargs and batched stay reward.custom's
+        return dataclasses.replace(reward.custom, path=alias.path, name=alias.name)
+    return reward.custom if reward.custom.path else None
+
+
+def reward_sources(reward: RewardConfig, alias: CustomRewardConfig) -> list[RewardSource]:
+    """What each worker loads, with weights; the first source is the primary (eval/accuracy) reward."""
+    plugin = custom_reward(reward, alias)
+    primary = CUSTOM if plugin else reward.name
+    weights = dict(reward.combine or {}) or {primary: 1.0}
+    allowed = (*BUILTIN_REWARDS, CUSTOM)
+    for name in weights:
+        if name not in allowed:
+            raise ValueError(
+                f"reward name {name!r}: allowed values are {', '.join(allowed)}"
+                + ("" if name != CUSTOM else " (with reward.custom.path set)")
+            )
+    if CUSTOM in weights and plugin is None:
+        raise ValueError(
+            "reward.combine names 'custom' but no plugin is set: set reward.custom.path "
+            "(or custom_reward_function.path)"
+        )
+    if primary not in weights:
+        raise ValueError(
+            f"reward.combine={dict(weights)} must include the primary reward {primary!r} "
+            "(reward.name, or 'custom' when a plugin is set): it defines eval/accuracy"
+        )
+    names = [primary] + [name for name in weights if name != primary]
+    return [_source(name, weights[name], plugin) for name in names]
+
+
+def _source(name: str, weight: float, plugin: CustomRewardConfig | None) -> RewardSource:
+    if name != CUSTOM:
+        return RewardSource(name, "compute_score", module=f"rewards.{name}", weight=weight)
+    path = Path(plugin.path).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"reward plugin file {plugin.path} (reward.custom.path) does not exist")
+    return RewardSource(
+        CUSTOM,
+        plugin.name,
+        path=str(path),
+        weight=weight,
+        kwargs=tuple(sorted(dict(plugin.kwargs).items())),
+        batched=plugin.batched,
+    )
+
+
+@dataclass
+class Failure:
+    index: int  # position of the sample in the graded batch
+    reward: str
+    kind: str  # exception | invalid | timeout | crash
+    message: str  # the traceback, or what was wrong
+
+
+@dataclass
+class Grades:
+    """Scores of one batch, in sample order; failed samples score 0.0."""
+
+    scores: list[float]
+    components: dict[str, list[float]]  # each reward's own score (before weighting)
+    extras: dict[str, list[float]]  # numeric extra fields of dict results, "reward/field"
+    failures: list[Failure] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = {f"{prefix}/{name}": statistics.fmean(values) for name, values in self.components.items()}
+        out.update({f"{prefix}/extra/{key}": statistics.fmean(values) for key, values in self.extras.items()})
+        out[f"{prefix}/failed"] = float(len(self.failures))
+        out[f"{prefix}/timeouts"] = float(sum(f.kind == "timeout" for f in self.failures))
+        return out
+
+    @staticmethod
+    def concat(parts: list["Grades"]) -> "Grades":
+        """Several batches' grades as one, in order (failures renumbered)."""
+        failures, offset, extras = [], 0, {}
+        for part in parts:
+            failures += [dataclasses.replace(f, index=f.index + offset) for f in part.failures]
+            offset += len(part.scores)
+            for key, values in part.extras.items():
+                extras.setdefault(key, []).extend(values)
+        components = {name: [v for part in parts for v in part.components[name]] for name in parts[0].components}
+        return Grades(
+            [v for part in parts for v in part.scores],
+            components,
+            extras,
+            failures,
+            sum(part.seconds for part in parts),
+        )
+
+    def take(self, rows: list[int]) -> "Grades":
+        """The scores and components of these samples (extras and failures stay with the whole batch's)."""
+        return Grades(
+            [self.scores[i] for i in rows],
+            {k: [v[i] for i in rows] for k, v in self.components.items()},
+            {},
+            [],
+            self.seconds,
+        )
+
+
+@dataclass
+class _Worker:
+    process: subprocess.Popen
+    inbox: Connection  # what the worker sends us
+    outbox: Connection  # what we send the worker
+    batched: bool
+    in_flight: deque = field(default_factory=deque)  # positions sent and not yet answered
+    deadline: float = math.inf
+
+
+class Grader:
+    def __init__(self, reward: RewardConfig, alias: CustomRewardConfig | None = None):
+        self.sources = reward_sources(reward, alias or CustomRewardConfig())
+        self.weights = {s.label: s.weight for s in self.sources}
+        self.primary = self.sources[0].label
+        self.locations = {s.label: f"{s.path or s.module}:{s.function}" for s in self.sources}
+        self.timeout_s = reward.timeout_s
+        self.max_failure_rate = reward.max_failure_rate
+        # the CPU budget matches the wall-clock one: a busy loop is stopped even if this process stalls
+        self.limits = WorkerLimits(reward.worker_memory_mb, math.ceil(reward.timeout_s) + 1)
+        self.env = worker_environment(reward.pass_env)
+        count = reward.num_workers or min(4, os.cpu_count() or 1)
+        self.workers = [self._spawn() for _ in range(count)]
+        self.batched = self.workers[0].batched
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grader")  # one batch at a time, off the caller
+
+    def describe(self) -> str:
+        """The rewards by name, as logged for failures no single function can be blamed for (timeouts, crashes)."""
+        return "+".join(self.weights)
+
+    def submit(self, samples: list[Sample]) -> Future:
+        """Grade in the background; the future's result is `Grades` (or `RewardError`)."""
+        return self._thread.submit(self.grade, samples)
+
+    def grade(self, samples: list[Sample]) -> Grades:
+        start = time.perf_counter()
+        outcomes = self._run(samples)
+        grades = self._collect(outcomes)
+        grades.seconds = time.perf_counter() - start
+        self._report(grades, samples)
+        return grades
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        for worker in self.workers:
+            self._stop(worker)
+        self.workers = []
+
+    # -- worker processes ---------------------------------------------------------------------
+
+    def _spawn(self) -> _Worker:
+        from_parent, to_child = os.pipe()
+        from_child, to_parent = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rl_tpu.grader.processes", str(from_parent), str(to_parent)],
+            pass_fds=(from_parent, to_parent),
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+        )
+        os.close(from_parent)
+        os.close(to_parent)
+        inbox, outbox = Connection(from_child, writable=False), Connection(to_child, readable=False)
+        outbox.send((self.sources, self.limits))
+        try:
+            if not inbox.poll(WORKER_START_TIMEOUT_S):
+                process.kill()
+                raise RewardError(
+                    f"reward worker for {self.describe()} did not start within {WORKER_START_TIMEOUT_S} s "
+                    "(does importing the plugin hang?)"
+                )
+            status, detail = inbox.recv()
+        except EOFError:
+            raise RewardError(f"reward worker for {self.describe()} exited at start (code {process.wait()})") from None
+        if status == "load_error":
+            process.wait()
+            raise RewardError(f"could not load reward {', '.join(self.locations.values())}:\n{detail}")
+        return _Worker(process, inbox, outbox, batched=detail)
+
+    def _stop(self, worker: _Worker, kill: bool = False) -> None:
+        worker.outbox.close()  # a worker waiting for work exits on EOF
+        if kill:
+            worker.process.kill()
+        try:
+            worker.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait()
+        worker.inbox.close()
+
+    def _replace(self, worker: _Worker) -> None:
+        self._stop(worker, kill=True)
+        self.workers[self.workers.index(worker)] = self._spawn()
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def _run(self, samples: list[Sample]) -> list[tuple]:
+        """Every sample's outcome; keeps all workers busy and enforces the per-sample deadline."""
+        outcomes: list[tuple | None] = [None] * len(samples)
+        # Batched functions see a worker's whole share at once; per-sample ones get small chunks
+        # so the pool balances load, and a worker reports each sample as it finishes.
+        shares = len(self.workers) if self.batched else 4 * len(self.workers)
+        size = max(1, math.ceil(len(samples) / shares))
+        queue = deque(list(range(start, min(start + size, len(samples)))) for start in range(0, len(samples), size))
+        while any(o is None for o in outcomes):
+            for worker in self.workers:
+                if not worker.in_flight and queue:
+                    self._send(worker, queue.popleft(), samples)
+            busy = [w for w in self.workers if w.in_flight]
+            remaining = min(w.deadline for w in busy) - time.monotonic()
+            for inbox in wait([w.inbox for w in busy], timeout=max(0.0, remaining)):
+                worker = next(w for w in busy if w.inbox is inbox)
+                try:
+                    message = inbox.recv()
+                except (EOFError, OSError):
+                    self._lose(
+                        worker, outcomes, queue, "crash", f"the reward worker died (exit code {worker.process.wait()})"
+                    )
+                    continue
+                for position, outcome in message:
+                    outcomes[position] = outcome
+                    worker.in_flight.remove(position)
+                worker.deadline = time.monotonic() + self.timeout_s
+            for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline]:
+                self._lose(worker, outcomes, queue, "timeout", f"no score within reward.timeout_s={self.timeout_s:g} s")
+        return outcomes
+
+    def _send(self, worker: _Worker, positions: list[int], samples: list[Sample]) -> None:
+        worker.in_flight = deque(positions)
+        worker.deadline = time.monotonic() + self.timeout_s * (len(positions) if worker.batched else 1)
+        worker.outbox.send((positions, [samples[p] for p in positions]))
+
+    def _lose(self, worker: _Worker, outcomes: list, queue: deque, kind: str, message: str) -> None:
+        """A worker timed out or died: fail the sample(s) it was on, requeue the rest, replace it."""
+        # per-sample workers answer in order, so the first unanswered sample is the culprit
+        culprits = list(worker.in_flight) if worker.batched else [worker.in_flight[0]]
+        for position in culprits:
+            outcomes[position] = ("fail", self.describe(), kind, message)
+        rest = [p for p in worker.in_flight if p not in culprits]
+        if rest:
+            queue.appendleft(rest)
+        worker.in_flight = deque()
+        self._replace(worker)
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _collect(self, outcomes: list[tuple]) -> Grades:
+        scores, failures = [], []
+        components = {label: [] for label in self.weights}
+        extras: dict[str, list[float]] = {}
+        for index, outcome in enumerate(outcomes):
+            if outcome[0] == "fail":
+                _, reward, kind, message = outcome
+                failures.append(Failure(index, reward, kind, message))
+                for values in components.values():
+                    values.append(0.0)
+                scores.append(0.0)
+                continue
+            _, scored, fields = outcome
+            for label, value in scored.items():
+                components[label].append(value)
+            for key, value in fields.items():
+                extras.setdefault(key, []).append(value)
+            scores.append(sum(self.weights[label] * value for label, value in scored.items()))
+        return Grades(scores, components, extras, failures)
+
+    def _report(self, grades: Grades, samples: list[Sample]) -> None:
+        for failure in grades.failures:
+            index = samples[failure.index].extra_info.get("index", "?")
+            last_line = failure.message.strip().splitlines()[-1] if failure.message.strip() else failure.kind
+            log.warning(
+                "reward %s: sample %d (extra_info.index=%s) scored 0 (%s): %s",
+                failure.reward,
+                failure.index,
+                index,
+                failure.kind,
+                last_line,
+            )
+        if grades.failures and len(grades.failures) > self.max_failure_rate * len(samples):
+            first = grades.failures[0]
+            where = self.locations.get(first.reward, ", ".join(self.locations.values()))
+            raise RewardError(
+                f"reward {first.reward} ({where}): {len(grades.failures)} of {len(samples)} samples failed to score, more than "
+                f"reward.max_failure_rate={self.max_failure_rate:g}; first failure (sample {first.index}, "
+                f"{first.kind}):\n{first.message}"
+            )

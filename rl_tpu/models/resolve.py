@@ -1,0 +1,163 @@
+"""Where the policy comes from: a user's Hugging Face folder, or the locally built `tiny_arith` preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from filelock import FileLock, Timeout
+
+from rl_tpu.config import DataConfig, ModelConfig, TinyModelConfig
+from rl_tpu.data.arithmetic import ARITHMETIC_OPS, answer_without_carry, arithmetic_prompt, split_arithmetic_problems
+from rl_tpu.records import TrainBatch
+
+log = logging.getLogger(__name__)
+BUILD_WAIT_S = 1800.0  # for another run's build of the same tiny model (a warm start takes minutes on a CPU)
+
+
+def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> Path:
+    """`model.path` if given (checked), else the tiny preset, built and warm-started once per setting."""
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.path={cfg.path}: no config.json there; expected a Hugging Face model folder"
+            )
+        return path
+    settings = {
+        "tiny": dataclasses.asdict(cfg.tiny),
+        "ops": data.ops,
+        "max_operand": data.max_operand,
+        "num_eval": data.num_eval,
+        "data_seed": data.seed,
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    folder = cache_dir / "models" / f"tiny_arith-{key}"
+    # a sweep's trials start at once: one builds, the others wait and reuse it
+    lock = FileLock(folder.parent / f".{folder.name}.lock")
+    try:
+        with lock.acquire(timeout=BUILD_WAIT_S):
+            if not (folder / "model.safetensors").is_file():
+                build_tiny_arith(cfg.tiny, data, folder)
+    except Timeout:
+        raise TimeoutError(
+            f"another run held {lock.lock_file} (building the tiny model into {folder}) for more than "
+            f"{BUILD_WAIT_S:g} s; if no run is building it, delete the lock file"
+        ) from None
+    return folder
+
+
+def check_decoder(model_path: Path, fp32_residual: bool = False) -> None:
+    """The trainer shards `model.model.layers` block by block (and, with `fp32_residual`, replaces their
+    RMSNorms): check a model has them, built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_tpu.models.hf import decoder_layers
+    from rl_tpu.models.precision import keep_residual_fp32
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    try:
+        layers = decoder_layers(model)
+    except TypeError as err:
+        raise TypeError(f"model.path={model_path}: {err}; rl_tpu trains Llama/Qwen-style decoders") from err
+    if fp32_residual:
+        try:
+            keep_residual_fp32(model, layers)
+        except TypeError as err:
+            raise TypeError(f"model.path={model_path}: {err}") from err
+
+
+def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> None:
+    """Tokenizer + model from config + supervised warm start, written atomically to `folder`."""
+    from rl_tpu.models.tiny import build_model, build_tokenizer, save_hf_folder
+
+    tokenizer = build_tokenizer(tiny.vocab_size, tiny.split_digits)
+    model = build_model(
+        len(tokenizer),
+        tiny.hidden_size,
+        tiny.num_layers,
+        tiny.num_heads,
+        tiny.num_kv_heads,
+        tiny.head_dim,
+        tiny.intermediate_size,
+        tiny.max_position_embeddings,
+        tiny.seed,
+    )
+    train, _ = split_arithmetic_problems(data.ops, data.max_operand, data.num_eval, data.seed)
+    if tiny.warm_start_steps > 0:
+        warm_start(
+            model,
+            tokenizer,
+            train,
+            tiny.warm_start_steps,
+            tiny.warm_start_batch_size,
+            tiny.warm_start_lr,
+            tiny.warm_start_teacher_error,
+            tiny.seed,
+        )
+    tmp = folder.with_name(folder.name + f".partial{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_folder(model, tokenizer, tmp)
+    (tmp / "rl_tpu_preset.json").write_text(
+        json.dumps({"tiny": dataclasses.asdict(tiny), "ops": data.ops, "max_operand": data.max_operand}, indent=2)
+    )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+
+
+def warm_start(
+    model: torch.nn.Module,
+    tokenizer,
+    problems: list[tuple[int, str, int]],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    teacher_error: float,
+    seed: int,
+) -> None:
+    """Supervised fine-tuning on `prompt -> " answer<eos>"`: gives GRPO a policy with some reward signal.
+
+    With `teacher_error` > 0 that fraction of labels comes from a teacher who forgets to carry, a
+    systematic mistake that only the verifier's reward can reveal to the policy.
+    """
+    from rl_tpu.models.logprobs import pad_batch, token_logprobs
+
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine decay to zero
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        sample = rng.sample(problems, batch_size)
+        prompts = [tokenizer(arithmetic_prompt(a, op, b))["input_ids"] for a, op, b in sample]
+        labels = [
+            answer_without_carry(a, op, b) if rng.random() < teacher_error else ARITHMETIC_OPS[op](a, b)
+            for a, op, b in sample
+        ]
+        answers = [tokenizer(f" {label}")["input_ids"] + [tokenizer.eos_token_id] for label in labels]
+        zeros = [[0.0] * len(a) for a in answers]  # no sampler logprobs or advantages: a supervised step
+        batch = TrainBatch(prompts, answers, zeros, zeros, 1.0)
+        t = pad_batch(batch, tokenizer.pad_token_id, torch.device("cpu"))
+        log_prob, _ = token_logprobs(model, t, 1.0, with_entropy=False)
+        loss = -(log_prob * t["response_mask"]).sum() / t["response_mask"].sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == steps:
+            log.info("warm start %d/%d: loss %.3f (%.0f s)", step, steps, loss.item(), time.perf_counter() - start)

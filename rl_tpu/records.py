@@ -1,0 +1,157 @@
+"""The records that cross between sampler, controller and trainer: the bottom layer, importing nothing of rl_tpu.
+
+A `Rollout` carries token ids, never text to re-tokenise, plus the sampler's per-token
+logprobs and the weight version that produced it. A `TrainBatch` is what the trainer
+consumes: rollouts flattened with their advantages. A `WeightBundle` is what the trainer
+publishes and an engine loads: versioned, checksummed buckets of named tensors
+(`rl_tpu/sync/` makes and reads them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # sampler's logprob of each completion token, after temperature
+    weight_version: int
+    finish_reason: str  # "stop" (eos) or "length"
+    group: int = 0  # index of the prompt in its batch; GRPO normalises within a group
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"rollout has {len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"
+            )
+
+
+@dataclass
+class TrainBatch:
+    """Rollouts for one training step, in the order the trainer sees them."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    advantages: list[list[float]]  # one per completion token (outcome estimators give each token the same)
+    temperature: float
+    # importance weights pi_trainer / pi_sampler: "token", "sequence", or None (on-policy: no weights)
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0  # the weights are truncated at this
+    # per sequence, whether its tokens are in the loss (overlong filtering leaves truncated ones out); None: all
+    loss_mask: list[bool] | None = None
+
+    def __post_init__(self) -> None:
+        for i, (completion, advantages) in enumerate(zip(self.completion_ids, self.advantages, strict=True)):
+            if len(advantages) != len(completion):
+                raise ValueError(
+                    f"sequence {i} has {len(completion)} completion tokens but {len(advantages)} advantages"
+                )
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def _take(self, rows) -> "TrainBatch":
+        rows = list(rows)
+        return dataclasses.replace(
+            self,
+            prompt_ids=[self.prompt_ids[i] for i in rows],
+            completion_ids=[self.completion_ids[i] for i in rows],
+            sampler_logprobs=[self.sampler_logprobs[i] for i in rows],
+            advantages=[self.advantages[i] for i in rows],
+            loss_mask=None if self.loss_mask is None else [self.loss_mask[i] for i in rows],
+        )
+
+    def shard(self, rank: int, world_size: int) -> "TrainBatch":
+        """The contiguous slice a data-parallel rank trains on."""
+        per_rank = -(-len(self) // world_size)
+        return self._take(range(len(self))[rank * per_rank : (rank + 1) * per_rank])
+
+    def sorted_by_length(self) -> "TrainBatch":
+        """The same sequences by completion length, then prompt length, so that a micro-batch pads less: each
+        pads its prompts to its longest prompt and its completions to its longest completion. A group's
+        completions share one prompt, so completion length is the key that varies most."""
+        return self._take(
+            sorted(range(len(self)), key=lambda i: (len(self.completion_ids[i]), len(self.prompt_ids[i])))
+        )
+
+    def rows_with_signal(self, multiple: int) -> "TrainBatch":
+        """The rows in the loss with a non-zero advantage, in batch order: the only ones whose gradient can be non-zero.
+
+        Topped up with the shortest other rows to a multiple of `multiple` (at least one, at most every row): of
+        the data-parallel ranks, so that each gets as many rows and runs as many forward and backward passes
+        (FSDP's collectives pair them across ranks), or of ranks times micro-batch rows, so that no micro-batch
+        has a new row count (a compiler's new shape)."""
+        signal = [i for i in range(len(self)) if self.in_loss(i) and any(a != 0.0 for a in self.advantages[i])]
+        wanted = min(len(self), max(multiple, -(-len(signal) // multiple) * multiple))
+        rest = sorted(
+            set(range(len(self))) - set(signal),
+            key=lambda i: (len(self.completion_ids[i]) + len(self.prompt_ids[i]), i),
+        )
+        return self._take(sorted(signal + rest[: wanted - len(signal)]))
+
+    def in_loss(self, i: int) -> bool:
+        return self.loss_mask is None or self.loss_mask[i]
+
+    def num_tokens(self) -> int:
+        """Completion tokens in the loss."""
+        return sum(len(c) for i, c in enumerate(self.completion_ids) if self.in_loss(i))
+
+    def num_seqs(self) -> int:
+        """Sequences in the loss."""
+        return sum(self.in_loss(i) for i in range(len(self)))
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # e.g. "float32", "bfloat16"
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    specs: tuple[TensorSpec, ...]
+    checksum: str
+    handle: Any  # object_store: [ObjectRef]; shm_file: the file's path; collective: the group's {host, port}
+    index: int  # its place in the bundle (buckets may come from several senders)
+
+
+@dataclass(frozen=True)
+class WeightBundle:
+    version: int
+    transport: str
+    buckets: tuple[Bucket, ...]
+    num_bytes: int
+
+    @property
+    def names(self) -> list[str]:
+        return [spec.name for bucket in self.buckets for spec in bucket.specs]
+
+    @classmethod
+    def merge(cls, parts: list["WeightBundle"]) -> "WeightBundle":
+        """One bundle from the parts that several trainer ranks sent (each holds some of the buckets)."""
+        buckets = tuple(sorted((b for part in parts for b in part.buckets), key=lambda b: b.index))
+        if {(p.version, p.transport) for p in parts} != {(parts[0].version, parts[0].transport)} or [
+            b.index for b in buckets
+        ] != list(range(len(buckets))):
+            raise WeightSyncError(
+                f"the trainer ranks' parts of a weight bundle do not fit together: versions "
+                f"{[p.version for p in parts]}, buckets {[[b.index for b in p.buckets] for p in parts]}"
+            )
+        return cls(parts[0].version, parts[0].transport, buckets, sum(p.num_bytes for p in parts))

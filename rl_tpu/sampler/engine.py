@@ -1,0 +1,317 @@
+"""The sampler: a vLLM engine in its own process (a Ray actor) that makes rollouts and serves a weight version.
+
+vLLM runs in-process inside the actor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): start-up is
+seconds instead of tens of seconds and weights are installed by a direct call. That mode
+pins threads and sets `LD_PRELOAD`, which is why it lives in its own process and never in
+the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import ray
+
+from rl_tpu.cluster.actor_logs import actor_name, send_output_to_file
+from rl_tpu.cluster.core_loan import EngineActivity
+from rl_tpu.cluster.cores import CpuBinding
+from rl_tpu.cluster.memory import peak_rss_mb
+from rl_tpu.cluster.placement import require_model_on_node, where_am_i
+from rl_tpu.models.precision import keep_vllm_residual_fp32
+from rl_tpu.records import Rollout, WeightBundle, WeightSyncError
+from rl_tpu.sync.bundle import check_names
+from rl_tpu.sync.endpoints import unpack
+
+# Set in the actor's environment before vLLM is imported.
+SAMPLER_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def sampler_env(enforce_eager: bool) -> dict[str, str]:
+    """The variables the engine's process needs; `enforce_eager=False` lets vLLM torch.compile the model."""
+    # an eager engine skips Dynamo altogether, and with it a 30 s compile of a logprobs helper on the first call
+    return {**SAMPLER_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {})}
+
+
+# weight installs run on a thread of their own, beside the one that serves generations (see EngineTurns)
+SAMPLER_CONCURRENCY = {"weights": 1}
+
+
+def engine_parameter_names(worker) -> list[str]:
+    """Run inside the vLLM worker: the names of the model's parameters as the engine stores them."""
+    return [name for name, _ in worker.model_runner.model.named_parameters()]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    logprobs: bool = True
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How one engine of several is set up beside the model and sampling settings."""
+
+    index: int = 0  # its place among the engines: its receiver rank in a collective weight broadcast
+    log_dir: str | None = None  # its output goes to LOG_DIR/sampler_<index>.log
+    sleep_mode: bool = False  # CUDA, colocated: release the device while the trainer trains
+    gpu_memory_utilization: float | None = None  # None: vLLM's default
+    enforce_eager: bool = True  # false: vLLM compiles the model (and captures CUDA graphs on GPUs): slower start
+    fp32_residual: bool = False  # bf16 on CPU: the residual stream in fp32, as the trainer keeps it
+    binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
+
+
+class EngineTurns:
+    """Who uses the engine next: an install that is waiting goes before every generation not yet started.
+
+    Weight installs run in a concurrency group of their own, so a bundle is fetched and verified while
+    the engine generates, and goes in as soon as the current generation ends, not after generations
+    queued for later steps (a max_staleness of 2 or more). The engine serves one call at a time.
+    The waits have no deadline of their own: the controller's call deadline, which names this engine, bounds them.
+    """
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._busy = False
+        self._installs_waiting = 0
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._busy and not self._installs_waiting)
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextmanager
+    def install(self) -> Iterator[None]:
+        with self._changed:
+            self._installs_waiting += 1
+            self._changed.wait_for(lambda: not self._busy)
+            self._installs_waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._changed:
+            self._busy = False
+            self._changed.notify_all()
+
+
+class Sampler:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        max_model_len: int,
+        kv_cache_gb: float | None,
+        seed: int,
+        options: EngineOptions = EngineOptions(),
+    ):
+        self.name = actor_name("sampler", options.index)
+        send_output_to_file(options.log_dir, self.name)
+        require_model_on_node(self.name, model_path)
+        for key, value in sampler_env(options.enforce_eager).items():
+            os.environ.setdefault(key, value)
+        # before vLLM starts: its CPU worker binds nothing in-process, and disables torch.set_num_threads
+        options.binding.apply(self.name)
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if options.fp32_residual and dtype != "float32" and current_platform.is_cpu():
+            keep_vllm_residual_fp32()
+        if kv_cache_gb is None and current_platform.is_cpu():
+            raise ValueError("sampler.kv_cache_gb is required on CPU (vLLM would otherwise claim most of the RAM)")
+        engine_args = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
+        if options.gpu_memory_utilization is not None and not current_platform.is_cpu():
+            engine_args["gpu_memory_utilization"] = options.gpu_memory_utilization
+        if current_platform.is_cpu():
+            # Per-prompt seeds (exact resume) fail on CPU when a prompt's prefill is split across steps:
+            # vLLM then rewinds the request's generator, and CPU generators have no offset to rewind.
+            engine_args["enable_chunked_prefill"] = False
+        self.options = options
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
+            enforce_eager=options.enforce_eager,
+            enable_sleep_mode=options.sleep_mode,
+            **engine_args,
+        )
+        self.version = 0
+        self.turns = EngineTurns()
+        self.activity = EngineActivity(options.binding.activity_folder, options.index)
+        self.busy_s = 0.0  # seconds the engine spent generating and installing, since start
+        # what the engine holds (fused names included): every install must fill all of it
+        self.engine_params = set(self.llm.collective_rpc(engine_parameter_names)[0])
+        if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
+            # vLLM's CPU backend repacks the head into storage of its own: a new embedding alone would leave it stale
+            self.engine_params.add("lm_head.weight")
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        seeds: list[int] | None = None,
+        after: dict | None = None,
+    ) -> list[Rollout]:
+        """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index.
+
+        `seeds`, one per prompt, make each prompt's draws independent of the engine's state and of
+        which engine serves it: a resumed run, a restarted engine or a different number of engines
+        draws the same tokens. The pool may send the call behind an install it has not waited for,
+        passing that install's ObjectRef as the after argument, which Ray resolves to the install's report
+        before the call runs.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(
+                n=settings.n,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+                max_tokens=settings.max_tokens,
+                logprobs=0 if settings.logprobs else None,
+                seed=seed,
+                detokenize=False,  # rollouts carry token ids; the grader decodes them (saves per-token work)
+            )
+            for seed in (seeds if seeds is not None else [None] * len(prompts))
+        ]
+        with self.activity, self.turns.generation():
+            start = time.perf_counter()
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            self.busy_s += time.perf_counter() - start
+            version = self.version  # the weights these rollouts came from
+        rollouts = []
+        for group, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            for completion in output.outputs:
+                ids = list(completion.token_ids)
+                logprobs = (
+                    [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+                    if settings.logprobs
+                    else [0.0] * len(ids)
+                )
+                rollouts.append(
+                    Rollout(list(prompt), ids, logprobs, version, completion.finish_reason or "length", group)
+                )
+        return rollouts
+
+    @ray.method(concurrency_group="weights")
+    def install(self, bundle: WeightBundle, resent: bool = False) -> dict[str, float]:
+        """Verify and install a weight bundle; the previous version keeps serving if anything is wrong.
+
+        `resent`: the pool sends it again after losing the engine; one brought back with this version already
+        (`SamplerPool.bring_back`) reports instead of refusing it."""
+        with self.activity:  # receiving and verifying use the engine's cores too
+            start = time.perf_counter()
+            # reads every bucket, refused or not: a collective stream stays aligned
+            tensors, timings = unpack(bundle, receiver=self.options.index)
+            if resent and bundle.version == self.version:
+                checked = loading = done = time.perf_counter()
+            else:
+                checked, loading, done = self._load(bundle, tensors)
+            return {
+                **timings,
+                "install_s": done - loading,
+                "receive_s": (checked - start) + (done - loading),
+                "install_wait_s": loading - checked,  # the generation under way finishing first
+                "peak_rss_mb": peak_rss_mb(),
+                "version": self.version,
+                "busy_s": self.busy_s,
+            }
+
+    def _load(self, bundle: WeightBundle, tensors) -> tuple[float, float, float]:
+        """Refuse a bundle that is not newer or does not fill the engine; else load it once the generation under
+        way ends. Returns when the checks ended, when the load began and when it ended."""
+        if bundle.version <= self.version:
+            raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
+        check_names(bundle, self.engine_params)
+        checked = time.perf_counter()
+        with self.turns.install():
+            loading = time.perf_counter()
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+            self.version = bundle.version
+            done = time.perf_counter()
+            self.busy_s += done - loading  # inside the turn: generations add to it from their own thread
+        return checked, loading, done
+
+    def sleep(self) -> None:
+        """Give the device to the trainer: weights to host memory, KV cache dropped (sleep mode only)."""
+        if self.options.sleep_mode:
+            self.llm.sleep(level=1, mode="wait")
+
+    def wake_up(self) -> None:
+        if self.options.sleep_mode:
+            self.llm.wake_up()
+
+    def open_tpu_sync(self, plan) -> str:
+        """Listen for TPU Sync pushes laid out as `plan`; returns the endpoint the trainer pushes to."""
+        from rl_tpu.cluster.device import Device
+        from rl_tpu.sync.tpu_sync import open_receiver
+
+        # the trainer may be on another host: listen on, and advertise, this node's address
+        return open_receiver(plan, Device.resolve("auto").torch_device, ray.util.get_node_ip_address())
+
+    def serving_version(self) -> int:
+        return self.version
+
+    def compiled_graphs(self) -> int:
+        """Graphs torch.compile made in this engine's process: none when it runs eagerly."""
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    def where(self) -> dict:
+        return {**where_am_i(), "actor": self.name}
+
+    def shutdown(self) -> None:
+        """Release the engine before the actor exits (a lingering engine leaks shared memory)."""
+        if hasattr(self, "activity"):
+            self.activity.close()
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+            del self.llm
+
+
+def launch_sampler(
+    model_path: str,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_gb: float | None,
+    seed: int,
+    options: EngineOptions = EngineOptions(),
+    ray_options: dict | None = None,
+):
+    """Start a `Sampler` as a Ray actor in its own process, with the environment vLLM needs.
+
+    `ray_options` are Ray's actor options (resources, placement); by default one CPU.
+    """
+    env = {**sampler_env(options.enforce_eager), **options.binding.env()}
+    return (
+        ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(Sampler)
+        .options(**(ray_options or {"num_cpus": 1}), runtime_env={"env_vars": env})
+        .remote(model_path, dtype, max_model_len, kv_cache_gb, seed, options)
+    )

@@ -1,0 +1,281 @@
+"""Several vLLM engines as one sampler: each batch split between them, every weight version installed in all.
+
+Prompts are split into contiguous chunks of nearly equal size, one per engine, and the rollouts
+come back in prompt order with each rollout's `group` the prompt's index in the whole batch.
+An install reaches every engine (for the collective transport, all engines take part in the
+same broadcast), and every engine must report the same version afterwards.
+
+A lost engine (its process killed or crashed) is brought back in place when the pool has an
+`EngineRecovery`: Ray restarts the actor in its bundle (its `max_restarts` option), the pool
+gives it the weights the other engines serve, and sends the lost call again. A prompt carries its own seed,
+so the replacement draws the same tokens the lost engine would have: no sample is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rl_tpu.cluster.actor_logs import actor_name
+from rl_tpu.cluster.calls import ActorError, gather
+from rl_tpu.records import Rollout, WeightBundle
+from rl_tpu.sampler.engine import SamplingSettings
+
+log = logging.getLogger(__name__)
+
+
+def split_evenly(count: int, parts: int) -> list[range]:
+    """`count` items as `parts` contiguous ranges whose sizes differ by at most one (empty ones dropped)."""
+    base, extra = divmod(count, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        ranges.append(range(start, start + size))
+        start += size
+    return [r for r in ranges if len(r)]
+
+
+@dataclass(frozen=True)
+class EngineRecovery:
+    """What bringing back a lost engine needs beside Ray's restart of its process."""
+
+    republish: Callable[[int], WeightBundle]  # the trainer's current weights, as version N
+    max_restarts: int  # per engine (Ray's `max_restarts` of the actor)
+    ready_timeout_s: float  # a restarted engine loads its model again
+
+
+@dataclass
+class Chunk:
+    """One engine's share of a generation: what it was asked, and the answer under way."""
+
+    engine: int
+    prompts: range  # indices in the whole batch
+    args: tuple  # the `generate` call's arguments, sent again if the engine is lost
+    ref: object
+    life: int  # the engine's restart count when the call was sent
+    version: int  # the weight version the pool had installed when the call was sent
+
+
+def _older(rollouts: list[Rollout], version: int) -> str | None:
+    """Rollouts from weights older than the engine had been given: Ray restarted it before the call arrived."""
+    oldest = min((r.weight_version for r in rollouts), default=version)
+    return f"it answered with weights v{oldest}, older than v{version}: restarted by Ray" if oldest < version else None
+
+
+@dataclass
+class PendingRollouts:
+    """Generations under way on the engines; `result` waits for all of them and merges in prompt order."""
+
+    pool: "SamplerPool"
+    chunks: list[Chunk]
+
+    def result(self, timeout_s: float) -> list[Rollout]:
+        deadline = time.monotonic() + timeout_s
+        rollouts = []
+        for chunk in self.chunks:
+            engine = self.pool.engines[chunk.engine]
+            part = self.pool.wait(
+                chunk.engine,
+                chunk.ref,
+                chunk.life,
+                lambda: engine.generate.remote(*chunk.args),
+                "generate",
+                deadline,
+                restarted=lambda part: _older(part, chunk.version),
+            )
+            for rollout in part:
+                rollout.group += chunk.prompts.start
+            rollouts.extend(part)
+        return rollouts
+
+    def shares(self) -> dict[str, float]:
+        """Each engine's fraction of the batch's prompts, for the step's metrics."""
+        total = sum(len(chunk.prompts) for chunk in self.chunks)
+        shares = {f"sampler/engine_{e}/batch_share": 0.0 for e in range(len(self.pool.engines))}
+        for chunk in self.chunks:
+            shares[f"sampler/engine_{chunk.engine}/batch_share"] = len(chunk.prompts) / total
+        return shares
+
+
+@dataclass
+class PendingInstall:
+    """An install sent to every engine and not waited for yet (by SamplerPool.start_install)."""
+
+    bundle: WeightBundle
+    sent: list[tuple[object, int]]  # per engine: the call's ObjectRef, and the engine's restart count then
+    deadline: float
+
+
+@dataclass
+class SamplerPool:
+    engines: list  # Ray actor handles of `Sampler`, engine order
+    log_dir: str | None = None
+    recovery: EngineRecovery | None = None  # None: a lost engine ends the call with an error
+    version: int = 0  # the newest weight version sent to every engine: generations sent from now on use it
+    lives: dict[int, int] = field(default_factory=dict)  # engine -> times it was brought back
+    pending: PendingInstall | None = None
+    # at the last install: when it returned, and each engine's busy seconds then (for the idle time between installs)
+    last_install: tuple[float, list[float]] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [actor_name("sampler", i) for i in range(len(self.engines))]
+
+    @property
+    def restarts(self) -> int:
+        return sum(self.lives.values())
+
+    def generate(
+        self, prompts: list[list[int]], settings: SamplingSettings, seeds: list[int] | None = None
+    ) -> PendingRollouts:
+        """Each engine generates its share; `seeds` (one per prompt) travel with their prompts.
+
+        Behind an install not waited for yet, each engine's call names that engine's install as an argument, so
+        Ray starts it once the install has answered: with the new weights. A call sent again does not."""
+        chunks = []
+        for engine, part in enumerate(split_evenly(len(prompts), len(self.engines))):
+            args = ([prompts[i] for i in part], settings, [seeds[i] for i in part] if seeds is not None else None)
+            after = self.pending.sent[engine][0] if self.pending else None
+            ref = self.engines[engine].generate.remote(*args, after=after)
+            chunks.append(Chunk(engine, part, args, ref, self.lives.get(engine, 0), self.version))
+        return PendingRollouts(self, chunks)
+
+    def call(self, method: str, what: str, timeout_s: float, *args) -> list:
+        """The same call on every engine, waited for together."""
+        calls = [(name, getattr(engine, method).remote(*args)) for name, engine in zip(self.names, self.engines)]
+        return gather(calls, what, timeout_s, self.log_dir)
+
+    def install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
+        """Install in every engine; the first engine's timings and each engine's served version."""
+        self.start_install(bundle, timeout_s)
+        return self.finish_install()
+
+    def start_install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
+        """Send the install to every engine without waiting for it (finish_install waits, within timeout_s);
+        generations sent meanwhile wait for it on their engine. Returns the figures of the install before, if
+        it was not waited for yet (empty if none was pending)."""
+        previous = self.finish_install()
+        sent = [(engine.install.remote(bundle), self.lives.get(i, 0)) for i, engine in enumerate(self.engines)]
+        self.pending, self.version = PendingInstall(bundle, sent, time.monotonic() + timeout_s), bundle.version
+        return previous
+
+    def finish_install(self) -> dict[str, float]:
+        """Wait for the pending install (if any); its figures, as the install method returns them."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return {}
+        bundle, what = pending.bundle, f"installing weights v{pending.bundle.version}"
+        # a lost engine is sent the bundle again; one brought back meanwhile (bring_back) serves it already
+        received = [
+            self.wait(
+                i,
+                ref,
+                life,
+                lambda i=i: self.engines[i].install.remote(bundle, resent=True),
+                what,
+                pending.deadline,
+                reinstall=False,
+            )
+            for i, (ref, life) in enumerate(pending.sent)
+        ]
+        versions = {r["version"] for r in received}
+        if versions != {bundle.version}:
+            raise RuntimeError(
+                f"after installing v{bundle.version} the engines serve versions {[r['version'] for r in received]}"
+            )
+        metrics = {f"sampler/engine_{i}/weight_version": float(r["version"]) for i, r in enumerate(received)}
+        return {
+            **received[0],
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in received),
+            **metrics,
+            "sampler/restarts": float(self.restarts),
+            **self._idle_since_last_install(received),
+        }
+
+    def _idle_since_last_install(self, received: list[dict]) -> dict[str, float]:
+        """`time/sampler_idle_s`: seconds since the previous install in which the engines (on average) neither
+        generated nor installed. A restarted engine's count starts again; it is left out for that install."""
+        now, busy = time.perf_counter(), [r["busy_s"] for r in received]
+        last, self.last_install = self.last_install, (now, busy)
+        if last is None or len(last[1]) != len(busy) or any(b < a for a, b in zip(last[1], busy)):
+            return {}
+        window, worked = now - last[0], statistics.fmean(b - a for a, b in zip(last[1], busy))
+        return {"time/sampler_idle_s": max(0.0, window - worked)}
+
+    def wait(
+        self,
+        engine: int,
+        ref,
+        life: int,
+        send_again: Callable[[], object],
+        what: str,
+        deadline: float,
+        reinstall: bool = True,
+        restarted: Callable[[object], str | None] = lambda answer: None,
+    ):
+        """The answer of one call on `engine`; if the engine was lost, bring it back and send the call again.
+
+        `restarted(answer)` says why an answer shows that Ray restarted the engine before the call reached it.
+        """
+        while True:
+            try:
+                answer = gather([(self.names[engine], ref)], what, max(0.0, deadline - time.monotonic()), self.log_dir)[
+                    0
+                ]
+                why = restarted(answer) if self.recovery else None
+                if why is None:
+                    return answer
+            except ActorError as err:
+                if not (err.lost and self.recovery):
+                    raise
+                why = str(err).splitlines()[0]
+            self.bring_back(engine, life, why, reinstall)
+            ref, life = send_again(), self.lives[engine]
+
+    def bring_back(self, engine: int, life: int, why: str, reinstall: bool = True) -> None:
+        """Wait for Ray's restart of a lost engine and give it the served weights (once per loss)."""
+        if self.lives.get(engine, 0) != life:
+            return  # another call on the same engine already brought it back
+        name, recovery = self.names[engine], self.recovery
+        log.warning("%s was lost (%s); waiting for Ray to restart it", name, why)
+        self._until_restarted(
+            engine, f"restarting {name} (restart {life + 1} of sampler.max_restarts={recovery.max_restarts})"
+        )
+        if reinstall and self.version > 0:
+            bundle = recovery.republish(self.version)
+            gather(
+                [(name, self.engines[engine].install.remote(bundle))],
+                f"installing weights v{self.version} in the restarted {name}",
+                recovery.ready_timeout_s,
+                self.log_dir,
+            )
+        self.lives[engine] = life + 1
+        log.warning(
+            "%s restarted (restart %d of sampler.max_restarts=%d), serving weights v%d; its lost call is sent again",
+            name,
+            life + 1,
+            recovery.max_restarts,
+            self.version,
+        )
+
+    def _until_restarted(self, engine: int, what: str) -> None:
+        """Wait for the engine's constructor to finish again; raises once Ray gives up on it (restarts spent)."""
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + self.recovery.ready_timeout_s
+        while True:
+            try:
+                gather(
+                    [(self.names[engine], self.engines[engine].__ray_ready__.remote())],
+                    what,
+                    max(0.0, deadline - time.monotonic()),
+                    self.log_dir,
+                )
+                return
+            except ActorError as err:  # calls made while Ray restarts the actor fail at once: ask again
+                if not isinstance(err.__cause__, ActorUnavailableError) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)

@@ -1,0 +1,13 @@
+"""Weight sync: the trainer publishes a versioned, checksummed weight bundle; the engines install it.
+
+Owns the bundle format (`bundle`), the sender's base class (`base`, importing nothing else of sync),
+one module per transport, the registry of transports by name (`registry`) and both ends of a sync
+(`endpoints.pack`, `endpoints.unpack`). May import `rl_tpu.records` and `rl_tpu.config` only.
+
+Transports (`sync.transport`):
+- `object_store`: Ray's object store; readers on the same node get zero-copy numpy views.
+- `shm_file`: one safetensors file per bucket in a shared-memory folder (`sync.shm_dir`).
+- `collective`: a gloo group of trainer rank 0 and every engine, created on first use and bound to
+  rank 0's node address; each bucket is one broadcast of its bytes, in order.
+- `tpu_sync`: TPU Sync pushes between TPU hosts (`tpu_sync.py`; not yet run on hardware).
+"""

@@ -1,0 +1,21 @@
+"""The sender side's base class, which every transport implements; it imports nothing else of `rl_tpu.sync`."""
+
+from __future__ import annotations
+
+
+class Transport:
+    """Sender side of a transport: `put` stages one bucket and returns its handle; `flush` ends a bundle.
+
+    The receiver side is the class method `get(bucket, receiver) -> list of byte arrays`, one per
+    spec; `receiver` is the engine's index among the engines that receive every bundle.
+    """
+
+    name: str
+    # whether any trainer rank may stage buckets: the receiver then fetches each from where it was put
+    any_rank_sends: bool = False
+
+    def flush(self) -> None:
+        """Called after the last bucket of a bundle; transports that send per bucket have nothing left."""
+
+    def close(self) -> None:
+        """Release what the transport holds when the trainer shuts down."""

@@ -1,0 +1,66 @@
+"""`sync.transport=shm_file`: one safetensors file per bucket in a shared-memory folder (`sync.shm_dir`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rl_tpu.records import Bucket, WeightSyncError
+from rl_tpu.sync.base import Transport
+from rl_tpu.sync.bundle import as_bytes
+
+
+class ShmFileTransport(Transport):
+    name = "shm_file"
+
+    def __init__(self, root: str = "/dev/shm/rl_tpu"):
+        self.root = Path(root) / f"sender-{os.getpid()}"
+
+    def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> str:
+        from safetensors.torch import save_file
+
+        folder = self.root / f"v{version}"
+        if index == 0:
+            self._drop_versions_before(version - 1)  # the previous version stays until this one is installed
+            folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"bucket{index:05d}.safetensors"
+        save_file(_unshared(named), str(path))
+        return str(path)
+
+    @staticmethod
+    def get(bucket: Bucket, receiver: int = 0) -> list[np.ndarray]:
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(bucket.handle)
+        except Exception as err:  # missing, truncated or unparsable file
+            raise WeightSyncError(f"cannot read {bucket.handle}: {err}") from err
+        return [
+            as_bytes(tensors[spec.name]) if spec.name in tensors else np.empty(0, np.uint8) for spec in bucket.specs
+        ]
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _drop_versions_before(self, version: int) -> None:
+        if not self.root.exists():
+            return
+        for folder in self.root.glob("v*"):
+            if int(folder.name[1:]) < version:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _unshared(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with storages of their own, as safetensors requires: a tied head that an fp32 CPU
+    trainer serves is the embedding tensor itself under a second name."""
+    seen, out = set(), {}
+    for name, tensor in named.items():
+        tensor = tensor.contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out

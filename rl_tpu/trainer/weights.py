@@ -1,0 +1,99 @@
+"""A rank's weights leaving the trainer: gathered bucket by bucket in the served dtype, for a weight bundle or a
+Hugging Face folder written as `save_pretrained` writes it. No process holds more than one bucket beyond its shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from rl_tpu.models.hf import copy_model_files, hf_name
+from rl_tpu.sync.bundle import assign_senders, plan_buckets
+
+
+def served_buckets(
+    model: torch.nn.Module, dtype: torch.dtype, bucket_mb: float, rank: int, senders: int = 1
+) -> Iterator[dict[str, torch.Tensor] | None]:
+    """The full weights bucket by bucket, on the host, in the dtype the sampler serves (`model.dtype`).
+
+    Collective: every rank iterates, gathering one bucket's parameters from their shards at a
+    time, so no process holds more than one bucket beyond its shard. Bucket i goes to rank
+    `assign_senders(...)[i]` among the first `senders` ranks; the others get None for it.
+    bf16 halves what a sync moves; the engine would round the fp32 master weights to its dtype
+    on load anyway, so rounding here gives it the same values.
+    """
+    # tied weights under each of their names: vLLM's CPU backend keeps its own copy of a tied head
+    params = {hf_name(name): param for name, param in model.named_parameters(remove_duplicate=False)}
+    sizes = {name: param.numel() * dtype.itemsize for name, param in params.items()}
+    plan = plan_buckets(sizes, int(bucket_mb * 2**20))
+    owners = assign_senders([sum(sizes[name] for name in names) for names in plan], senders)
+    for names, owner in zip(plan, owners):
+        bucket = {}
+        for name in names:
+            param = params[name].detach()
+            full = param.full_tensor() if isinstance(param, DTensor) else param  # all-gather of the shards
+            if rank == owner:
+                bucket[name] = full.to("cpu", dtype)
+        yield bucket if rank == owner else None
+
+
+def served_specs(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Names, shapes and dtypes of what `served_buckets` yields, as meta tensors, in the same order."""
+    return {
+        hf_name(name): torch.empty(param.shape, dtype=dtype, device="meta")
+        for name, param in model.named_parameters(remove_duplicate=False)
+    }
+
+
+def export_hf_folder(
+    buckets: Iterator[dict[str, torch.Tensor] | None], model_path: str, folder: str, rank: int, dtype_name: str
+) -> str | None:
+    """Write a Hugging Face folder (config, tokenizer, sharded safetensors in `dtype_name`) atomically.
+
+    Streamed like a weight sync: the ranks gather one bucket (`sync.bucket_mb`) at a time and rank 0
+    writes it as one shard, so no process holds the full weights; the shards are named and indexed
+    as `save_pretrained` names them. Collective: every rank iterates `buckets`; rank 0 writes.
+    """
+    from safetensors.torch import save_file
+
+    final = Path(folder)
+    tmp = final.with_name(final.name + ".partial")
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        copy_model_files(model_path, tmp)
+    shards: list[tuple[list[str], int]] = []  # (names, bytes) of each shard written
+    for bucket in buckets:
+        if config.get("tie_word_embeddings") and bucket:
+            bucket.pop("lm_head.weight", None)  # the embedding under its other name: stored once
+        if bucket:  # rank 0's; the other ranks only took part in the gathers
+            save_file(bucket, str(tmp / f"shard-{len(shards)}.safetensors"), metadata={"format": "pt"})
+            shards.append((list(bucket), sum(t.nbytes for t in bucket.values())))
+    if rank != 0:
+        return None
+    name_shards(tmp, shards)
+    config["dtype"] = dtype_name  # what the shards hold
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return str(final)
+
+
+def name_shards(folder: Path, shards: list[tuple[list[str], int]]) -> None:
+    """Rename `shard-i.safetensors` as `save_pretrained` names its files: `model.safetensors` when there
+    is one, else `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`."""
+    if len(shards) == 1:
+        os.replace(folder / "shard-0.safetensors", folder / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (names, _) in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(folder / f"shard-{i}.safetensors", folder / file)
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": sum(size for _, size in shards)}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

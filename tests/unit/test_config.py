@@ -1,0 +1,193 @@
+"""Config errors fail at start, naming the key (and the allowed values where there is a fixed set)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from rl_tpu.config import RunConfig, register_configs
+from rl_tpu.controller.checks import validate
+
+register_configs()
+
+
+def compose_run(*overrides: str) -> RunConfig:
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return OmegaConf.to_object(compose("config", overrides=["+recipe=grpo_math", *overrides]))
+
+
+def test_recipe_composes_into_typed_config():
+    cfg = compose_run("algorithm.lr=1e-6", "trainer.world_size=2")
+    assert isinstance(cfg, RunConfig)
+    assert cfg.algorithm.lr == 1e-6 and cfg.trainer.world_size == 2 and cfg.sampler.n == 8
+    assert cfg.model.path is None and cfg.model.tiny.hidden_size == 256
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("algorithm.lrr=1e-6", "lrr"),
+        ("sampler.temperature=hot", "temperature"),
+        ("device=gpu", "gpu"),
+    ],
+)
+def test_bad_override_names_the_key(override, named):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_run(override)
+    assert named in str(err.value) + str(err.value.__cause__)
+
+
+def test_enum_error_lists_allowed_values():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_run("device=gpu")
+    text = str(err.value.__cause__)
+    assert "auto" in text and "cuda" in text and "tpu" in text
+
+
+def test_value_checks_name_the_key():
+    with pytest.raises(ValueError, match="trainer.world_size=3"):
+        validate(compose_run("trainer.world_size=3", "data.train_batch_size=4", "sampler.n=2"))
+    with pytest.raises(ValueError, match="algorithm.adv_estimator='ppo'"):
+        validate(compose_run("algorithm.adv_estimator=ppo"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algorithm.adv_estimator=gae"], "'gae' is not supported: it needs a value model"),
+        (["algorithm.adv_estimator=remax"], "greedy rollout of every prompt"),
+        (["algorithm.adv_estimator=rloo", "sampler.n=1"], "sampler.n=1: rloo compares the completions"),
+        (["algorithm.adv_estimator=gdpo"], r"gdpo_reward_keys=None must name some of this run's rewards, arithmetic"),
+        (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format]"], "gdpo_reward_keys=\\['format'\\]"),
+        (["actor.policy_loss.loss_mode=dro"], "needs actor.policy_loss.dro_beta > 0"),
+        (["actor.policy_loss.loss_mode=bypass_mode", "actor.rollout_is=token"], "computes its own importance weights"),
+        (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size=5 prompts must divide data.train_batch_size=16"),
+        (["actor.ppo_epochs=0"], "actor.ppo_epochs=0"),
+        (["actor.policy_loss.rollout_correction.loss_type=ppo"], "loss_type='ppo': allowed values are ppo_clip"),
+        (["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k9"], "algorithm.kl_penalty='k9': allowed values"),
+        (["trainer.total_steps=-1"], r"trainer.total_steps=-1 and trainer.eval_pass_k=0 at least 0"),
+        (["trainer.eval_pass_k=-2"], r"trainer.eval_pass_k=-2 at least 0 \(total_steps 0: evaluate the model only"),
+    ],
+)
+def test_algorithm_settings_are_checked_at_start(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose_run(*overrides))
+    assert compose_run("actor.policy_loss.loss_mode=gspo").actor.policy_loss.loss_mode.value == "gspo"
+    with pytest.raises(ConfigCompositionException):  # not one of verl's losses: Hydra lists the allowed values
+        compose_run("actor.policy_loss.loss_mode=ppo")
+
+
+REAL = ("model.path=/models/m", "data.train_files=t.parquet", "data.val_files=v.parquet")
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, expected",
+    [
+        ("dapo_math", (), {"clip_ratio_high": 0.28, "filter_groups": True, "overlong": True, "agg": "token-mean"}),
+        ("dr_grpo_math", (), {"norm_std": False, "agg": "seq-mean-token-sum-norm"}),
+        ("gspo_math", (), {"mode": "gspo", "clip_ratio_high": 0.0004, "agg": "seq-mean-token-mean", "mini": 4}),
+        ("dapo_gsm8k", REAL, {"filter_groups": True, "kl": False, "lr": 1e-6}),
+        ("gspo_gsm8k", REAL, {"mode": "gspo", "mini": 8, "lr": 1e-6}),
+        ("grpo_gsm8k", (*REAL, "+algo=dr_grpo"), {"norm_std": False, "kl": False}),  # an algorithm on any recipe
+        ("grpo_math", ("actor.loss_agg_mode=seq-mean-token-sum",), {"agg": "seq-mean-token-sum"}),  # verl's spelling
+    ],
+)
+def test_algorithm_presets_compose_and_pass_validation(recipe, overrides, expected):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg: RunConfig = OmegaConf.to_object(compose("config", overrides=[f"+recipe={recipe}", *overrides]))
+    validate(cfg)
+    a, algo = cfg.actor, cfg.algorithm
+    got = {
+        "clip_ratio_high": a.clip_ratio_high,
+        "filter_groups": algo.filter_groups.enable,
+        "kl": a.use_kl_loss,
+        "overlong": cfg.reward.overlong_buffer.enable,
+        "agg": a.loss_agg_mode.value,
+        "lr": algo.lr,
+        "norm_std": algo.norm_adv_by_std_in_grpo,
+        "mode": a.policy_loss.loss_mode.value,
+        "mini": a.ppo_mini_batch_size,
+    }
+    assert {k: got[k] for k in expected} == expected
+
+
+def test_cli_typo_fails_fast_with_the_key_name():
+    result = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.main", "+recipe=grpo_math", "trainer.totl_steps=3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "totl_steps" in result.stderr
+
+
+def compose_recipe(recipe: str, *overrides: str) -> RunConfig:
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return OmegaConf.to_object(compose("config", overrides=[f"+recipe={recipe}", *overrides]))
+
+
+@pytest.mark.parametrize("recipe, reward", [("grpo_gsm8k", "gsm8k"), ("grpo_math_boxed", "math")])
+def test_real_model_recipes_need_model_and_data_paths(recipe, reward, tmp_path):
+    with pytest.raises(Exception, match="model.path is required by this recipe"):
+        compose_recipe(recipe)
+    with pytest.raises(Exception, match="data.train_files is required by this recipe"):
+        compose_recipe(recipe, f"model.path={tmp_path}")
+    cfg = compose_recipe(recipe, f"model.path={tmp_path}", "data.train_files=t.parquet", "data.val_files=v.parquet")
+    validate(cfg)
+    assert cfg.reward.name == reward and cfg.model.dtype.value == "bfloat16" and cfg.actor.use_kl_loss
+    assert cfg.sampler.response_length >= 1024 and cfg.ray.object_store_mb >= 4096
+
+
+def test_reward_settings_are_checked_at_start():
+    with pytest.raises(ValueError, match="reward name 'gsm9k': allowed values are"):
+        validate(compose_run("reward.name=gsm9k"))
+    with pytest.raises(ValueError, match="reward.max_failure_rate=2.0 must be in"):
+        validate(compose_run("reward.max_failure_rate=2.0"))
+    cfg = compose_run(
+        "custom_reward_function.path=examples/custom_reward/reward.py", "+reward.combine={custom: 1, format: 0.1}"
+    )
+    validate(cfg)
+    assert cfg.custom_reward_function.name == "compute_score" and cfg.reward.combine == {"custom": 1.0, "format": 0.1}
+
+
+@pytest.mark.parametrize(
+    "device, missing", [("cuda", "this process sees no accelerator"), ("tpu", "device=tpu needs the torch-tpu package")]
+)
+def test_a_missing_accelerator_fails_at_once_naming_it(device, missing):
+    result = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.main", "+recipe=grpo_math", f"device={device}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and missing in result.stderr
+    assert "Started a local Ray instance" not in result.stderr  # before Ray, before any model is built
+
+
+def test_an_unknown_tracker_is_refused_with_the_allowed_names():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as refused:
+        compose_run("trainer.logger=[jsonl,tensorbord]")
+    assert "Invalid value 'tensorbord', expected one of [console, jsonl, tensorboard, wandb" in str(
+        refused.value.__cause__
+    )
+
+
+def test_a_section_checks_its_own_fields_when_made_and_again_at_start():
+    with pytest.raises(ValueError, match=r"reward.timeout_s=0(\.0)? > 0"):
+        compose_run("reward.timeout_s=0")  # Hydra makes the dataclasses: the section's __post_init__ runs
+    cfg = compose_run("trainer.max_staleness=1")
+    assert cfg.trainer.is_async and not RunConfig().trainer.is_async  # derived once, beside its field
+    cfg.sampler.temperature = 0.0  # a program changed a made section: the check at start still sees it
+    with pytest.raises(ValueError, match="sampler.temperature=0.0 must be > 0"):
+        validate(cfg)

@@ -1,0 +1,88 @@
+"""Core pinning: who gets which cores, and that a process really ends up pinned with its thread count."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rl_tpu.cluster.cores import CpuBinding, bind, should_pin
+from rl_tpu.config import RunConfig
+
+
+def config(staleness: int = 1, trainer_threads: int = 1, engine_threads: int | None = None) -> RunConfig:
+    cfg = RunConfig()
+    cfg.trainer.max_staleness, cfg.trainer.threads_per_rank, cfg.sampler.threads = (
+        staleness,
+        trainer_threads,
+        engine_threads,
+    )
+    return cfg
+
+
+def test_auto_pins_only_a_one_host_cpu_run_in_async_mode():
+    assert should_pin(config(staleness=1), "cpu", one_host=True)
+    assert not should_pin(config(staleness=0), "cpu", one_host=True)  # sync: the two sides take turns
+    assert not should_pin(config(staleness=1), "cpu", one_host=False)
+    assert not should_pin(config(staleness=1), "cuda", one_host=True)
+    forced = config(staleness=0)
+    forced.pin_cores = "on"
+    assert should_pin(forced, "cpu", one_host=False)
+    forced.pin_cores, forced.trainer.max_staleness = "off", 1
+    assert not should_pin(forced, "cpu", one_host=True)
+
+
+def test_ranks_take_the_first_cores_of_their_node_and_engines_the_next():
+    cfg = config(trainer_threads=2, engine_threads=1)
+    trainers, engines = bind(
+        cfg, ["n1", "n1", "n2"], ["n1", "n2"], pin=True, node_cores={"n1": 8, "n2": 4}, activity_folder="run"
+    )
+    assert [t.cores for t in trainers] == [(0, 1), (2, 3), (0, 1)]
+    assert [e.cores for e in engines] == [(4,), (2,)]
+    assert [t.threads for t in trainers] == [2, 2, 2] and [e.threads for e in engines] == [1, 1]
+
+
+def test_a_node_without_enough_cores_runs_its_actors_unpinned_and_says_so(caplog):
+    cfg = config(trainer_threads=2, engine_threads=2)
+    trainers, engines = bind(
+        cfg, ["small", "big"], ["small"], pin=True, node_cores={"small": 2, "big": 4}, activity_folder="run"
+    )
+    assert trainers[0].cores == () and engines[0].cores == ()
+    assert trainers[1].cores == (0, 1)  # the other node is still pinned
+    assert "need 4 cores" in caplog.text and "has 2" in caplog.text
+
+
+def test_engine_threads_default_to_its_reserved_cpus():
+    cfg = config()
+    cfg.sampler.num_cpus = 2.0
+    _, engines = bind(cfg, ["n"], ["n"], pin=False, node_cores={"n": 2}, activity_folder="run")
+    assert engines == [CpuBinding(threads=2)]
+
+
+PROBE = """
+import json, os, sys
+from rl_tpu.cluster.cores import CpuBinding
+import torch
+CpuBinding(threads=1, cores=(0,)).apply("probe")
+masks = {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+print(json.dumps({"masks": masks, "threads": torch.get_num_threads()}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell pinned from unpinned")
+def test_apply_pins_every_thread_of_the_process_and_sizes_the_pool():
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # a pool of 2 exists before the binding is applied
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, check=True)
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    first = sorted(os.sched_getaffinity(0))[0]
+    assert len(probe["masks"]) > 1  # torch's pool threads, not only the main thread
+    assert all(mask == [first] for mask in probe["masks"].values()), probe["masks"]
+    assert probe["threads"] == 1
+
+
+def test_a_core_the_node_does_not_have_is_refused_by_name():
+    with pytest.raises(RuntimeError, match="sampler_0: pinned to core positions"):
+        CpuBinding(threads=1, cores=(len(os.sched_getaffinity(0)),)).apply("sampler_0")

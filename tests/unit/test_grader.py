@@ -1,0 +1,275 @@
+"""The reward pool: plugins that raise, hang, crash or return NaN are contained; verl plugin forms work."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+from rl_tpu.config import CustomRewardConfig, RewardConfig
+from rl_tpu.grader.grader import Grader, RewardError, Sample, reward_sources
+
+PLUGIN = """
+import asyncio, math, os, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if ground_truth == "raise":
+        raise RuntimeError("plugin bug on " + solution_str)
+    if ground_truth == "sleep":
+        time.sleep(60)
+    if ground_truth == "nan":
+        return math.nan
+    if ground_truth == "exit":
+        os._exit(3)
+    if ground_truth == "dict":
+        return {"score": 0.5, "exact": True, "pred": "not a number"}
+    if ground_truth == "allocate":  # without bound: only the worker's memory limit stops it
+        hoard = []
+        while True:
+            hoard.append(bytearray(64 * 2**20))
+    if ground_truth == "spin":  # CPU-bound for longer than the sample's budget
+        while True:
+            pass
+    if ground_truth == "env":
+        return float(os.environ.get("RL_TPU_TEST_SECRET") == "s3cret") + 2 * float(os.environ.get("RL_TPU_TEST_KEPT") == "yes")
+    if ground_truth.startswith("type:"):
+        import numpy, torch
+        return {"bool": True, "np32": numpy.float32(0.25), "np_int": numpy.int64(1), "tensor": torch.tensor(0.5),
+                "array1": numpy.array([0.75]), "array2": numpy.array([0.1, 0.2]), "string": "1.0"}[ground_truth[5:]]
+    return 1.0 if solution_str == ground_truth else 0.0
+
+async def async_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    await asyncio.sleep(0.001)
+    return (1.0 if solution_str == ground_truth else 0.0) + bonus
+
+def batch_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+    return [float(s == g) for s, g in zip(solution_strs, ground_truths)]
+
+def short_batch(data_sources, solution_strs, ground_truths, extra_infos):
+    return [1.0]
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plugins") / "my_reward.py"
+    path.write_text(textwrap.dedent(PLUGIN))
+    return path
+
+
+def samples(truths: list[str], answer: str = "a") -> list[Sample]:
+    return [Sample("src", answer, truth, {"index": 100 + i}) for i, truth in enumerate(truths)]
+
+
+def grader_for(plugin, name="compute_score", **reward) -> Grader:
+    reward.setdefault("num_workers", 2)
+    return Grader(RewardConfig(custom=CustomRewardConfig(path=str(plugin), name=name), **reward))
+
+
+def test_raise_timeout_nan_and_crash_score_zero_and_the_run_goes_on(plugin, caplog):
+    grader = grader_for(plugin, timeout_s=1.0, max_failure_rate=0.5)
+    truths = ["a", "raise", "a", "sleep", "nan", "b", "exit", "a"] + ["a"] * 8
+    try:
+        start = time.perf_counter()
+        with caplog.at_level("WARNING"):
+            grades = grader.grade(samples(truths))
+        elapsed = time.perf_counter() - start
+        assert elapsed < 20, "the hung sample was not cut off"
+        kinds = {f.index: f.kind for f in grades.failures}
+        assert kinds == {1: "exception", 3: "timeout", 4: "invalid", 6: "crash"}
+        expected = [0.0 if i in kinds or t == "b" else 1.0 for i, t in enumerate(truths)]
+        assert grades.scores == expected
+        raised = next(f for f in grades.failures if f.kind == "exception")
+        assert "RuntimeError: plugin bug on a" in raised.message and "my_reward.py" in raised.message
+        assert "returned nan" in grades.failures[2].message
+        metrics = grades.metrics("reward")
+        assert metrics["reward/failed"] == 4 and metrics["reward/timeouts"] == 1
+        assert "sample 3 (extra_info.index=103) scored 0 (timeout)" in caplog.text
+        assert "sample 1 (extra_info.index=101) scored 0 (exception): RuntimeError: plugin bug on a" in caplog.text
+        # the replaced workers serve the next batch
+        assert grader.grade(samples(["a"] * 6)).scores == [1.0] * 6
+    finally:
+        grader.close()
+
+
+def test_too_many_failures_stop_the_run_naming_the_plugin_and_traceback(plugin):
+    grader = grader_for(plugin, max_failure_rate=0.25)
+    try:
+        assert len(grader.grade(samples(["a", "a", "a", "raise"])).failures) == 1  # 1 of 4 is allowed
+        with pytest.raises(RewardError) as err:
+            grader.grade(samples(["a", "raise", "a", "raise"]))
+        text = str(err.value)
+        assert "my_reward.py:compute_score" in text and "2 of 4 samples failed" in text
+        assert "reward.max_failure_rate=0.25" in text and "RuntimeError: plugin bug on a" in text
+    finally:
+        grader.close()
+
+
+def test_dict_results_log_their_numeric_fields(plugin):
+    grader = grader_for(plugin)
+    try:
+        grades = grader.grade(samples(["dict", "dict", "a"]))
+        assert grades.scores == [0.5, 0.5, 1.0]
+        assert grades.extras == {"custom/exact": [1.0, 1.0]}  # the string field is not a metric
+        assert grades.metrics("reward")["reward/extra/custom/exact"] == 1.0
+    finally:
+        grader.close()
+
+
+@pytest.mark.parametrize("name, batched", [("async_score", False), ("batch_score", True)])
+def test_async_and_batched_plugins(plugin, name, batched):
+    grader = grader_for(plugin, name=name)
+    try:
+        assert grader.batched is batched
+        assert grader.grade(samples(["a", "b"] * 5)).scores == [1.0, 0.0] * 5
+    finally:
+        grader.close()
+
+
+def test_plugin_kwargs_reach_the_function(plugin):
+    reward = RewardConfig(
+        num_workers=1, custom=CustomRewardConfig(path=str(plugin), name="async_score", kwargs={"bonus": 0.25})
+    )
+    grader = Grader(reward)
+    try:
+        assert grader.grade(samples(["a", "b"])).scores == [1.25, 0.25]
+    finally:
+        grader.close()
+
+
+def test_batched_plugin_with_wrong_length_fails_its_samples(plugin):
+    grader = grader_for(plugin, name="short_batch", max_failure_rate=1.0)
+    try:
+        grades = grader.grade(samples(["a"] * 4))
+        assert grades.scores == [0.0] * 4 and {f.kind for f in grades.failures} == {"invalid"}
+        assert "returned 1 scores for" in grades.failures[0].message
+    finally:
+        grader.close()
+
+
+def test_combined_builtins_are_a_weighted_sum():
+    grader = Grader(RewardConfig(name="gsm8k", combine={"gsm8k": 1.0, "format": 0.1}, num_workers=1))
+    try:
+        assert grader.primary == "gsm8k"
+        grades = grader.grade(
+            [
+                Sample("gsm8k", "#### 18", "18", {}),
+                Sample("gsm8k", "#### 17", "18", {}),
+                Sample("gsm8k", "it is 18", "18", {}),
+            ]
+        )
+        assert grades.scores == pytest.approx([1.1, 0.1, 1.0])
+        assert grades.components == {"gsm8k": [1.0, 0.0, 1.0], "format": [1.0, 1.0, 0.0]}
+    finally:
+        grader.close()
+
+
+def test_plugin_that_cannot_load_fails_at_start(tmp_path, plugin):
+    with pytest.raises(RewardError, match="my_reward.py has no function 'nope'"):
+        grader_for(plugin, name="nope")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(RewardError, match="ModuleNotFoundError: No module named 'not_a_module_anywhere'"):
+        grader_for(broken)
+    with pytest.raises(FileNotFoundError, match="missing.py .reward.custom.path. does not exist"):
+        grader_for(tmp_path / "missing.py")
+
+
+@pytest.mark.parametrize(
+    "reward, alias, message",
+    [
+        (RewardConfig(name="gsm9k"), CustomRewardConfig(), "reward name 'gsm9k': allowed values are arithmetic, gsm8k"),
+        (
+            RewardConfig(name="math", combine={"format": 1.0}),
+            CustomRewardConfig(),
+            "must include the primary reward 'math'",
+        ),
+        (RewardConfig(combine={"custom": 1.0}), CustomRewardConfig(), "names 'custom' but no plugin is set"),
+        (RewardConfig(custom=CustomRewardConfig(path="a.py")), CustomRewardConfig(path="b.py"), "set only one of them"),
+    ],
+)
+def test_reward_config_errors_name_the_key(reward, alias, message):
+    with pytest.raises(ValueError, match=message):
+        reward_sources(reward, alias)
+
+
+def test_verl_alias_names_the_plugin(plugin):
+    (source,) = reward_sources(
+        RewardConfig(custom=CustomRewardConfig(kwargs={"bonus": 1})),
+        CustomRewardConfig(path=str(plugin), name="async_score"),
+    )
+    assert (source.label, source.path, source.function, source.kwargs) == (
+        "custom",
+        str(plugin),
+        "async_score",
+        (("bonus", 1),),
+    )
+
+
+def test_math_reward_runs_in_the_pool_with_its_own_timeouts():
+    """math-verify uses SIGALRM, which works in a worker's main thread (not in the driver's grading thread)."""
+    grader = Grader(RewardConfig(name="math", num_workers=2))
+    try:
+        grades = grader.submit(
+            [
+                Sample("math", "so $\\boxed{\\frac{1}{2}}$", "0.5", {}),
+                Sample("math", "so $\\boxed{3}$", "\\sqrt{9}", {}),
+                Sample("math", "so $\\boxed{(0,1)}$", "[0,1]", {}),
+            ]
+        ).result(timeout=60)
+        assert grades.scores == [1.0, 1.0, 0.0] and not grades.failures
+    finally:
+        grader.close()
+
+
+def test_a_plugin_that_allocates_without_bound_is_stopped_by_the_memory_limit(plugin):
+    """The sample fails (MemoryError in its worker, counted), the host keeps its memory and the others score."""
+    grader = grader_for(plugin, num_workers=1, worker_memory_mb=1024, max_failure_rate=0.5)
+    try:
+        grades = grader.grade(samples(["a", "allocate", "a", "a"]))
+    finally:
+        grader.close()
+    assert grades.scores == [1.0, 0.0, 1.0, 1.0]
+    (failure,) = grades.failures
+    assert failure.index == 1 and "MemoryError" in failure.message
+
+
+def test_a_cpu_bound_sample_is_stopped_by_the_cpu_limit(plugin):
+    """RLIMIT_CPU (timeout_s + 1 s of CPU per sample) ends the worker even before the wall-clock deadline would."""
+    grader = grader_for(plugin, num_workers=1, timeout_s=1.0, max_failure_rate=0.5)
+    grader.timeout_s = 60.0  # only the CPU limit is left to stop it
+    start = time.monotonic()
+    try:
+        grades = grader.grade(samples(["spin", "a"]))
+    finally:
+        grader.close()
+    assert grades.scores == [0.0, 1.0] and grades.failures[0].kind == "crash"
+    assert time.monotonic() - start < 30
+
+
+def test_workers_get_a_minimal_environment_unless_pass_env_names_more(plugin, monkeypatch):
+    monkeypatch.setenv("RL_TPU_TEST_SECRET", "s3cret")
+    monkeypatch.setenv("RL_TPU_TEST_KEPT", "yes")
+    for pass_env, expected in (
+        ([], 0.0),
+        (["RL_TPU_TEST_KEPT"], 2.0),
+        (["RL_TPU_TEST_SECRET", "RL_TPU_TEST_KEPT"], 3.0),
+    ):
+        grader = grader_for(plugin, num_workers=1, pass_env=pass_env)
+        try:
+            assert grader.grade(samples(["env"])).scores == [expected], pass_env
+        finally:
+            grader.close()
+
+
+def test_scores_of_every_numeric_type_verl_accepts(plugin):
+    grader = grader_for(plugin, num_workers=1, max_failure_rate=1.0)
+    kinds = ["bool", "np32", "np_int", "tensor", "array1", "array2", "string"]
+    try:
+        grades = grader.grade(samples([f"type:{k}" for k in kinds]))
+    finally:
+        grader.close()
+    assert grades.scores == [1.0, 0.25, 1.0, 0.5, 0.75, 0.0, 0.0]
+    assert [f.index for f in grades.failures] == [5, 6]  # a two-element array and a string are not scores
+    assert all(f.kind == "invalid" for f in grades.failures)

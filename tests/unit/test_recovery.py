@@ -1,0 +1,177 @@
+"""Checkpoint lifecycle, skipped non-finite updates, and the checks that run before Ray starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_config import compose_run
+
+from rl_tpu.cluster.calls import ActorError
+from rl_tpu.controller.checks import validate
+from rl_tpu.controller.recovery import SkippedStepGuard, StopRequest, with_restarts
+from rl_tpu.controller.run import check_inputs
+from rl_tpu.data.datasets import Example
+from rl_tpu.outputs import checkpoints
+from rl_tpu.outputs.metrics import MetricsLogger, read_metrics
+
+
+def make_checkpoint(run_dir, name: str, complete: bool = True):
+    folder = run_dir / "checkpoints" / name
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / ".metadata").write_bytes(b"")
+    return folder
+
+
+def test_partial_and_incomplete_folders_are_never_resumed_from(tmp_path):
+    make_checkpoint(tmp_path, "step_2")
+    make_checkpoint(tmp_path, "step_4.partial")  # a save that crashed after writing its metadata
+    make_checkpoint(tmp_path, "step_6", complete=False)
+    assert checkpoints.latest(tmp_path).name == "step_2"
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        checkpoints.latest(tmp_path / "elsewhere")
+
+
+def test_keep_last_keeps_exactly_the_newest_and_clears_interrupted_saves(tmp_path):
+    for step in (2, 4, 6, 8):
+        make_checkpoint(tmp_path, f"step_{step}")
+    make_checkpoint(tmp_path, "step_9.partial")
+    checkpoints.prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_6", "step_8"]
+    checkpoints.prune(tmp_path, keep_last=0)  # 0 keeps every complete one
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 2
+
+
+def test_skipped_updates_are_counted_and_too_many_in_a_row_stop_the_run():
+    guard = SkippedStepGuard(max_in_a_row=2)
+    prompts = [Example([1, 2], "src", "3", {"index": 41}), Example([4], "src", "5", {"index": 7})]
+    steps = [{"actor/skipped": 1.0}, {"actor/skipped": 0.0}, {"actor/skipped": 1.0}]
+    for step, metrics in enumerate(steps, start=1):
+        guard.observe(step, metrics, prompts)
+    assert [m["actor/skipped_steps"] for m in steps] == [1.0, 1.0, 2.0]
+    with pytest.raises(FloatingPointError, match=r"2 updates in a row .* step 4, prompts \[41, 7\]"):
+        guard.observe(4, {"actor/skipped": 1.0}, prompts)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.eval_every=0", "trainer.eval_every=0"),
+        ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0"),
+        ("actor.kl_loss_type=k9", "actor.kl_loss_type='k9': allowed values are kl, k1"),
+        ("trainer.keep_last=-1", "trainer.keep_last=-1"),
+        ("trainer.max_restarts=-1", "trainer.max_restarts=-1"),
+        ("sampler.max_restarts=-2", "sampler.max_restarts=-2"),
+        ("reward.worker_memory_mb=0", "reward.worker_memory_mb=0"),
+        ("trainer.resume_from=/no/such/run", "trainer.resume_from=/no/such/run: no complete checkpoint"),
+    ],
+)
+def test_settings_that_used_to_fail_late_fail_in_validation(override, message):
+    with pytest.raises(Exception, match=message):
+        validate(compose_run(override))
+
+
+def test_a_batch_larger_than_the_data_and_a_model_without_decoder_blocks_are_refused(tiny_model_dir, tmp_path):
+    cfg = compose_run("data.train_batch_size=4")
+    few = [Example([1], "src", "1", {})] * 3
+    with pytest.raises(ValueError, match="data.train_batch_size=4 is larger than the 3 usable prompts"):
+        check_inputs(cfg, tiny_model_dir, few)
+    check_inputs(cfg, tiny_model_dir, few * 2)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_layer": 1,
+                "n_embd": 8,
+                "n_head": 2,
+                "vocab_size": 16,
+                "architectures": ["GPT2LMHeadModel"],
+            }
+        )
+    )
+    with pytest.raises(TypeError, match="expected decoder blocks at model.model.layers"):
+        check_inputs(cfg, gpt2, few * 2)
+
+
+def test_the_resume_point_prefers_this_run_folder_then_resume_from(tmp_path):
+    here, there = tmp_path / "here", tmp_path / "there"
+    make_checkpoint(there, "step_4")
+    assert checkpoints.resume_point(here, this_run=True, resume_from=None) is None  # auto, nothing yet: from the start
+    assert checkpoints.resume_point(here, this_run=True, resume_from=str(there)).name == "step_4"
+    make_checkpoint(here, "step_6")
+    assert checkpoints.resume_point(here, this_run=True, resume_from=str(there)) == here / "checkpoints" / "step_6"
+    assert checkpoints.resume_point(here, this_run=False, resume_from=str(there)).name == "step_4"
+    assert [checkpoints.every(None, n) for n in (3, 100, 450)] == [1, 10, 45]
+    assert checkpoints.every(0, 100) == 0 and checkpoints.every(7, 100) == 7
+
+
+def test_a_resumed_run_continues_its_metrics_file(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=6, show_progress=False)
+    for step in range(5):
+        logger.log(step, {"eval/accuracy": step / 10} if step % 2 == 0 else {"reward/mean": 1.0})
+    logger.close()
+    resumed = MetricsLogger(tmp_path, total_steps=6)
+    resumed.truncate_after(2)  # the checkpoint was at step 2: steps 3-4 run again
+    assert resumed.bar.n == 2  # the progress bar starts at the resumed step
+    resumed.log(3, {"reward/mean": 0.5})
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert resumed.evals() == [0.0, 0.2] and resumed.bar.n == 3
+    resumed.truncate_after(None)  # a run starting over in this folder
+    assert read_metrics(tmp_path / "metrics.jsonl") == [] and resumed.evals() == []
+
+
+def test_only_a_lost_actor_restarts_the_run_and_only_so_often():
+    attempts = []
+
+    def attempt(restarts: int, error: ActorError):
+        attempts.append(restarts)
+        if len(attempts) <= 2:
+            raise error
+        return "done"
+
+    assert with_restarts(lambda n: attempt(n, ActorError("trainer_1 died", "trainer_1", lost=True)), 2) == "done"
+    assert attempts == [0, 1, 2]
+    attempts.clear()
+    with pytest.raises(ActorError, match="trainer_1 died"):  # restarts spent
+        with_restarts(lambda n: attempt(n, ActorError("trainer_1 died", "trainer_1", lost=True)), 1)
+    attempts.clear()
+    with pytest.raises(ActorError, match="raised"):  # an exception would happen again: no restart
+        with_restarts(lambda n: attempt(n, ActorError("train step failed: raised", "trainer_0")), 5)
+    assert attempts == [0]
+
+
+def test_a_signal_is_recorded_and_a_second_one_stops_at_once():
+    import os
+    import signal
+
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the previous handlers are back
+
+
+def test_a_model_whose_norms_fp32_residual_cannot_replace_is_refused_before_ray(tmp_path):
+    from transformers import GemmaConfig
+
+    gemma = tmp_path / "gemma"
+    GemmaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+    ).save_pretrained(gemma)
+    few = [Example([1], "src", "1", {})] * 8
+    with pytest.raises(TypeError, match=r"GemmaRMSNorm at .input_layernorm.*set model.fp32_residual=false"):
+        check_inputs(compose_run("data.train_batch_size=4", "model.dtype=bfloat16"), gemma, few)
+    check_inputs(
+        compose_run("data.train_batch_size=4", "model.dtype=bfloat16", "model.fp32_residual=false"), gemma, few
+    )
+    check_inputs(compose_run("data.train_batch_size=4"), gemma, few)  # fp32: nothing to replace
