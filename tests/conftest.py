@@ -176,3 +176,47 @@ def six_step_run(tmp_path_factory) -> Path:
             run_cli(root / "run", root / "cache", "trainer.total_steps=6")
             (root / "made").touch()
     return root / "run"
+
+
+# --- builders shared by test files of both folders (import them from conftest) ---
+
+
+def make_batch(seed: int = 0, size: int = 8, temperature: float = 0.7):
+    """A random TrainBatch of `size` rows in groups of 4, with verl's GRPO advantages of random 0/1 rewards."""
+    import random
+
+    from rl_tpu.algorithms import core as algorithms
+    from rl_tpu.config import AlgorithmConfig
+    from rl_tpu.records import TrainBatch
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, 60) for _ in range(rng.randint(3, 9))] for _ in range(size)]
+    completions = [[rng.randrange(2, 60) for _ in range(rng.randint(1, 7))] for _ in range(size)]
+    # "sampler" logprobs that differ from the policy's, so PPO clipping is exercised
+    sampler = [[-rng.uniform(0.5, 6.0) for _ in c] for c in completions]
+    rewards = [float(rng.random() < 0.5) for _ in range(size)]
+    advantages = algorithms.advantages(
+        rewards, [i // 4 for i in range(size)], [len(c) for c in completions], AlgorithmConfig()
+    )
+    return TrainBatch(prompts, completions, sampler, advantages, temperature)
+
+
+def compose_run(*overrides: str):
+    """The grpo_math recipe composed by Hydra with `overrides`, as the typed RunConfig a run gets."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rl_tpu.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return OmegaConf.to_object(compose("config", overrides=["+recipe=grpo_math", *overrides]))
+
+
+def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
+    """tag -> step -> value, read back with TensorBoard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}

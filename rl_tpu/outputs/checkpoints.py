@@ -33,8 +33,11 @@ def step_of(checkpoint: Path) -> int:
 
 def complete(root: Path) -> list[Path]:
     """The complete checkpoints under `root/checkpoints`, oldest first."""
-    found = [p for p in (root / "checkpoints").glob(f"{PREFIX}*")
-             if _COMPLETE.fullmatch(p.name) and (p / ".metadata").is_file()]
+    found = [
+        p
+        for p in (root / "checkpoints").glob(f"{PREFIX}*")
+        if _COMPLETE.fullmatch(p.name) and (p / ".metadata").is_file()
+    ]
     return sorted(found, key=step_of)
 
 
@@ -46,8 +49,9 @@ def latest(path: Path, key: str = "trainer.resume_from") -> Path:
         return path
     found = complete(path)
     if not found:
-        raise FileNotFoundError(f"{key}={path}: no complete checkpoint (checkpoints/step_N with a "
-                                ".metadata file) there")
+        raise FileNotFoundError(
+            f"{key}={path}: no complete checkpoint (checkpoints/step_N with a .metadata file) there"
+        )
     return found[-1]
 
 

@@ -15,16 +15,18 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
-import shutil
 from pathlib import Path
 
 import yaml
 
+from rl_tpu.models.hf import MODEL_FILES, copy_model_files
 from rl_tpu.outputs import checkpoints
 from rl_tpu.outputs.metrics import final_accuracy, read_metrics
 from rl_tpu.outputs.report import run_overrides
 
 log = logging.getLogger(__name__)
+
+
 def run_settings(checkpoint: Path) -> dict:
     """The resolved config of the run that wrote `checkpoint` (RUN/checkpoints/step_N); {} if it is not there."""
     path = checkpoint.parent.parent / "resolved_config.yaml"
@@ -41,14 +43,18 @@ def load_policy(checkpoint: Path):
 
     files = checkpoint / MODEL_FILES
     if not (files / "config.json").is_file():
-        raise FileNotFoundError(f"{checkpoint}: no {MODEL_FILES}/config.json; checkpoints written before rl_tpu "
-                                "saved the model's files with them cannot be exported on their own")
+        raise FileNotFoundError(
+            f"{checkpoint}: no {MODEL_FILES}/config.json; checkpoints written before rl_tpu "
+            "saved the model's files with them cannot be exported on their own"
+        )
     config = AutoConfig.from_pretrained(files)
     # built on the CPU, not the meta device, so that non-persistent buffers (rotary frequencies) are computed
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    stored = {hf_name(key.removeprefix("model.")): key.removeprefix("model.")
-              for key in dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-              if key.startswith("model.")}
+    stored = {
+        hf_name(key.removeprefix("model.")): key.removeprefix("model.")
+        for key in dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        if key.startswith("model.")
+    }
     wanted, missing = {}, []
     for name, tensor in model.state_dict().items():
         if name in stored:
@@ -56,8 +62,10 @@ def load_policy(checkpoint: Path):
         elif not (name == "lm_head.weight" and config.tie_word_embeddings):  # tied: stored as the embedding
             missing.append(name)
     if missing:
-        raise KeyError(f"{checkpoint}: the checkpoint's model state has no {', '.join(missing[:4])}"
-                       f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of the model's tensors missing)")
+        raise KeyError(
+            f"{checkpoint}: the checkpoint's model state has no {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of the model's tensors missing)"
+        )
     dcp.load({"model": wanted}, checkpoint_id=str(checkpoint), no_dist=True)  # in place, into the model's tensors
     return model.eval()
 
@@ -80,8 +88,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     return out
 
 
-def write_model_card(folder: Path, run_dir: Path, dtype: str, step: int | None = None,
-                     source: str = "the end of the run") -> None:
+def write_model_card(
+    folder: Path, run_dir: Path, dtype: str, step: int | None = None, source: str = "the end of the run"
+) -> None:
     """README.md in an exported folder: how the policy was trained, what it reached by `step` (None: the last
     step logged), and the command."""
     overrides = run_overrides(run_dir)
@@ -89,8 +98,11 @@ def write_model_card(folder: Path, run_dir: Path, dtype: str, step: int | None =
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     steps = max((r["step"] for r in rows), default=0)
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("+recipe=")), "(none)")
-    accuracy = (f"{100 * evals[0]:.1f}% before training -> {100 * final_accuracy(evals):.1f}% after"
-                if evals else "no evaluation recorded")
+    accuracy = (
+        f"{100 * evals[0]:.1f}% before training -> {100 * final_accuracy(evals):.1f}% after"
+        if evals
+        else "no evaluation recorded"
+    )
     (folder / "README.md").write_text(f"""---
 library_name: transformers
 tags: [rl_tpu, grpo, reinforcement-learning]
@@ -119,8 +131,9 @@ def push_to_hub(folder: Path, repo_id: str) -> bool:
         api.create_repo(repo_id, private=True, exist_ok=True)
         api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=f"rl_tpu export of {folder}")
     except Exception as failed:
-        log.warning("push to hub %s failed (%s: %s); the export stays in %s", repo_id, type(failed).__name__,
-                    failed, folder)
+        log.warning(
+            "push to hub %s failed (%s: %s); the export stays in %s", repo_id, type(failed).__name__, failed, folder
+        )
         return False
     log.info("pushed %s to %s", folder, repo_id)
     return True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -15,8 +14,13 @@ from tqdm import tqdm
 from rl_tpu.outputs.tracking import Trackers
 
 # Shown on the progress bar, in this order, when present.
-BAR_KEYS = {"reward/mean": "reward", "eval/accuracy": "eval", "actor/logprob_diff": "lp_diff",
-            "time/step_s": "s/step", "sync/version": "v"}
+BAR_KEYS = {
+    "reward/mean": "reward",
+    "eval/accuracy": "eval",
+    "actor/logprob_diff": "lp_diff",
+    "time/step_s": "s/step",
+    "sync/version": "v",
+}
 ELAPSED = "time/elapsed_s"  # seconds since the run started, counting the earlier processes of a resumed run
 TIMESTAMP = "timestamp"  # when the line was written (Unix time): a sweep's table shows which trials overlapped
 
@@ -29,8 +33,14 @@ def final_accuracy(evals: list[float]) -> float:
 class MetricsLogger:
     """Appends a line per step to `metrics.jsonl` and passes it to the trackers; a resumed run continues the file."""
 
-    def __init__(self, run_dir: Path, total_steps: int, show_progress: bool = True,
-                 trackers: Optional[Trackers] = None, started: Optional[float] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        show_progress: bool = True,
+        trackers: Optional[Trackers] = None,
+        started: Optional[float] = None,
+    ):
         """`started`: when the run's process started (time.monotonic()); None: now."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)

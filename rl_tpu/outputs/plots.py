@@ -19,8 +19,12 @@ from rl_tpu.outputs.metrics import ELAPSED, read_metrics
 log = logging.getLogger(__name__)
 PLOTS_DIR = "plots"
 # the parts of a step, as the driver waits for them; they add up to time/step_s
-STEP_PARTS = {"time/generate_s": "generate (wait)", "time/reward_s": "reward", "time/train_step_s": "train",
-              "time/sync_s": "weight sync"}
+STEP_PARTS = {
+    "time/generate_s": "generate (wait)",
+    "time/reward_s": "reward",
+    "time/train_step_s": "train",
+    "time/sync_s": "weight sync",
+}
 IDLE = {"time/trainer_idle_s": "trainer idle", "time/sampler_idle_s": "sampler idle"}
 
 
@@ -120,10 +124,14 @@ def lines_figure(table: Table, title: str, ylabel: str, log_y: bool = False):
 RUN_PLOTS: dict[str, tuple[list[str], Callable[[Table, str], object]]] = {
     "reward": (["reward/mean", "eval/accuracy"], reward_figure),
     "time": ([*STEP_PARTS, "time/step_s", *IDLE], time_figure),
-    "logprob_gap": (["actor/logprob_diff"],
-                    lambda t, title: lines_figure(t, f"{title}: sampler - trainer logprob gap", "mean |diff|", True)),
-    "response_length": (["response/length_mean"],
-                        lambda t, title: lines_figure(t, f"{title}: response length", "tokens")),
+    "logprob_gap": (
+        ["actor/logprob_diff"],
+        lambda t, title: lines_figure(t, f"{title}: sampler - trainer logprob gap", "mean |diff|", True),
+    ),
+    "response_length": (
+        ["response/length_mean"],
+        lambda t, title: lines_figure(t, f"{title}: response length", "tokens"),
+    ),
 }
 
 
@@ -152,8 +160,13 @@ def plot_finished_run(run_dir: Path) -> Path | None:
     try:
         plot_run(run_dir)
     except Exception as failed:
-        log.warning("could not plot %s (%s: %s); `python -m rl_tpu.report %s` tries again", run_dir,
-                    type(failed).__name__, failed, run_dir)
+        log.warning(
+            "could not plot %s (%s: %s); `python -m rl_tpu.report %s` tries again",
+            run_dir,
+            type(failed).__name__,
+            failed,
+            run_dir,
+        )
         return None
     return run_dir / PLOTS_DIR
 
@@ -165,14 +178,18 @@ def trial_table(trials: dict[str, list[dict]], key: str) -> Table:
     return Table(["step", *trials], [[s, *(values[label].get(s) for label in trials)] for s in steps])
 
 
-SWEEP_PLOTS = {"reward": ("reward/mean", "train reward (mean)"), "accuracy": ("eval/accuracy", "held-out accuracy"),
-               "step_time": ("time/step_s", "seconds per step")}
+SWEEP_PLOTS = {
+    "reward": ("reward/mean", "train reward (mean)"),
+    "accuracy": ("eval/accuracy", "held-out accuracy"),
+    "step_time": ("time/step_s", "seconds per step"),
+}
 
 
 def plot_sweep(sweep_dir: str | Path, trials: dict[str, Path]) -> list[Path]:
     """One line per trial (label -> run folder) on shared axes, into SWEEP_DIR/plots/."""
-    metrics = {label: read_metrics(run / "metrics.jsonl") for label, run in trials.items()
-               if (run / "metrics.jsonl").is_file()}
+    metrics = {
+        label: read_metrics(run / "metrics.jsonl") for label, run in trials.items() if (run / "metrics.jsonl").is_file()
+    }
     written = []
     for name, (key, ylabel) in SWEEP_PLOTS.items():
         table = trial_table(metrics, key)

@@ -91,29 +91,56 @@ def sweep_table(sweep_dir: str | Path) -> str:
 
 
 def markdown_table(sweep_dir: Path, rows: list[dict[str, Any]], shared: list[str]) -> str:
-    lines = ["| run | overrides | held-out accuracy start -> final | last reward | s/step | steps | started | ended |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | overrides | held-out accuracy start -> final | last reward | s/step | steps | started | ended |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["status"] == "finished":
-            lines.append(f"| {r['run']} | {r['overrides']} | {100 * r['accuracy_start']:.1f}% -> "
-                         f"{100 * r['accuracy_final']:.1f}% | {r['reward_last']:.3f} | {r['step_s']:.2f} | "
-                         f"{r['steps']} | {clock(r['started'])} | {clock(r['ended'])} |")
+            lines.append(
+                f"| {r['run']} | {r['overrides']} | {100 * r['accuracy_start']:.1f}% -> "
+                f"{100 * r['accuracy_final']:.1f}% | {r['reward_last']:.3f} | {r['step_s']:.2f} | "
+                f"{r['steps']} | {clock(r['started'])} | {clock(r['ended'])} |"
+            )
         else:
             lines.append(f"| {r['run']} | {r['overrides']} | {r['status'].replace('|', '/')} | | | | | |")
     common = " ".join(shared)
-    return (f"Sweep {sweep_dir}" + (f", common overrides: {common}" if common else "") + " (times in UTC)\n\n"
-            + "\n".join(lines) + "\n")
+    return (
+        f"Sweep {sweep_dir}"
+        + (f", common overrides: {common}" if common else "")
+        + " (times in UTC)\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def write_sweep_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    columns = ["run", "overrides", "status", "accuracy_start", "accuracy_final", "reward_last", "step_s", "steps",
-               "started", "ended"]
+    columns = [
+        "run",
+        "overrides",
+        "status",
+        "accuracy_start",
+        "accuracy_final",
+        "reward_last",
+        "step_s",
+        "steps",
+        "started",
+        "ended",
+    ]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({**r, **{k: datetime.fromtimestamp(r[k], timezone.utc).isoformat()
-                                     for k in ("started", "ended") if r.get(k) is not None}})
+            writer.writerow(
+                {
+                    **r,
+                    **{
+                        k: datetime.fromtimestamp(r[k], timezone.utc).isoformat()
+                        for k in ("started", "ended")
+                        if r.get(k) is not None
+                    },
+                }
+            )
 
 
 def write_sweep_report(sweep_dir: str | Path) -> str:
@@ -141,8 +168,10 @@ class SweepSummary(Callback):
         failed = sorted(p.parent.name for p in sweep_dir.glob(f"*/{FAILED_FILE}"))
         if failed:  # the sweep ran every trial; its exit status still says that some failed
             # SystemExit, since Hydra turns a callback's exceptions into warnings and exits 0
-            raise SystemExit(f"{len(failed)} trial(s) of the sweep failed ({', '.join(failed)}): see "
-                             f"{sweep_dir / SUMMARY_FILE} and each trial's {FAILED_FILE}")
+            raise SystemExit(
+                f"{len(failed)} trial(s) of the sweep failed ({', '.join(failed)}): see "
+                f"{sweep_dir / SUMMARY_FILE} and each trial's {FAILED_FILE}"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,8 +27,12 @@ TENSORBOARD_DIR = "tensorboard"
 
 def local_dirs(run_dir: Path) -> dict[str, str]:
     """The environment variables verl's backends read for their local files, pointed into the run folder."""
-    return {"TENSORBOARD_DIR": str(run_dir / TENSORBOARD_DIR), "WANDB_DIR": str(run_dir),
-            "MLFLOW_TRACKING_URI": f"sqlite:///{run_dir / 'mlruns.db'}", "SWANLAB_LOG_DIR": str(run_dir / "swanlog")}
+    return {
+        "TENSORBOARD_DIR": str(run_dir / TENSORBOARD_DIR),
+        "WANDB_DIR": str(run_dir),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{run_dir / 'mlruns.db'}",
+        "SWANLAB_LOG_DIR": str(run_dir / "swanlog"),
+    }
 
 
 @contextmanager
@@ -49,8 +53,13 @@ def for_run(cfg: RunConfig, run_dir: Path) -> "Trackers":
 
     t = cfg.trainer
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-    return Trackers([value_of(name) for name in t.logger], run_dir, t.project_name,
-                    t.experiment_name or f"{run_dir.parent.name}/{run_dir.name}", config)
+    return Trackers(
+        [value_of(name) for name in t.logger],
+        run_dir,
+        t.project_name,
+        t.experiment_name or f"{run_dir.parent.name}/{run_dir.name}",
+        config,
+    )
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -72,8 +81,12 @@ class Trackers:
                 except ImportError as missing:
                     log.warning("trainer.logger: %s is not installed (%s); the run goes on without it", name, missing)
                 except Exception as failed:  # offline, no credentials, a server that refuses: not worth the run
-                    log.warning("trainer.logger: %s could not start (%s: %s); the run goes on without it", name,
-                                type(failed).__name__, failed)
+                    log.warning(
+                        "trainer.logger: %s could not start (%s: %s); the run goes on without it",
+                        name,
+                        type(failed).__name__,
+                        failed,
+                    )
         if "tensorboard" in self.backends:
             self._tensorboard_config(config)
 
@@ -91,8 +104,13 @@ class Trackers:
             try:
                 tracking.log(values, step)
             except Exception as failed:
-                log.warning("trainer.logger: %s failed at step %d (%s: %s); no more metrics go to it", name, step,
-                            type(failed).__name__, failed)
+                log.warning(
+                    "trainer.logger: %s failed at step %d (%s: %s); no more metrics go to it",
+                    name,
+                    step,
+                    type(failed).__name__,
+                    failed,
+                )
                 self._finish(name, tracking)
 
     def close(self) -> None:

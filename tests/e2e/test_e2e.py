@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, tensorboard_scalars
 
 from rl_tpu.outputs.metrics import read_metrics
 
@@ -76,8 +76,6 @@ def test_the_wheel_runs_outside_the_checkout_and_its_help_lists_recipes_and_keys
 
 
 def test_tensorboard_holds_the_same_scalars_as_metrics_jsonl(three_step_run):
-    from test_tracking import tensorboard_scalars
-
     root, _ = three_step_run
     rows = read_metrics(root / "run" / "metrics.jsonl")
     expected: dict[str, dict[int, float]] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_config import compose_run
+from conftest import compose_run
 
 from rl_tpu.cluster.placement import PlacementError
 from rl_tpu.controller.run import run as run_training

@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-from conftest import free_port
-from test_algorithms import make_batch
+from conftest import free_port, make_batch
 
 from rl_tpu.config import RunConfig
 from rl_tpu.models.hf import decoder_layers

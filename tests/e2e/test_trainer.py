@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import free_port
-from test_algorithms import make_batch
+from conftest import free_port, make_batch
 from torch.distributed.tensor import DTensor
 
 from rl_tpu.algorithms import core as algorithms

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import make_batch
 
 from rl_tpu.algorithms import core as algorithms
 from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode, LossMode, PolicyLossConfig, RunConfig
@@ -15,19 +16,6 @@ from rl_tpu.models.logprobs import pad_batch, token_logprobs
 from rl_tpu.models.tiny import build_model
 from rl_tpu.records import TrainBatch
 from rl_tpu.trainer.update import micro_batches
-
-
-def make_batch(seed: int = 0, size: int = 8, temperature: float = 0.7) -> TrainBatch:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(2, 60) for _ in range(rng.randint(3, 9))] for _ in range(size)]
-    completions = [[rng.randrange(2, 60) for _ in range(rng.randint(1, 7))] for _ in range(size)]
-    # "sampler" logprobs that differ from the policy's, so PPO clipping is exercised
-    sampler = [[-rng.uniform(0.5, 6.0) for _ in c] for c in completions]
-    rewards = [float(rng.random() < 0.5) for _ in range(size)]
-    advantages = algorithms.advantages(
-        rewards, [i // 4 for i in range(size)], [len(c) for c in completions], AlgorithmConfig()
-    )
-    return TrainBatch(prompts, completions, sampler, advantages, temperature)
 
 
 def small_model() -> torch.nn.Module:

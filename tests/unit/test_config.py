@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, compose_run
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -15,11 +15,6 @@ from rl_tpu.config import RunConfig, register_configs
 from rl_tpu.controller.checks import validate
 
 register_configs()
-
-
-def compose_run(*overrides: str) -> RunConfig:
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=["+recipe=grpo_math", *overrides]))
 
 
 def test_recipe_composes_into_typed_config():

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import free_port
-from test_algorithms import make_batch
+from conftest import free_port, make_batch
 
 from rl_tpu.algorithms import core as algorithms
 from rl_tpu.algorithms import kl_reward

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_config import compose_run
+from conftest import compose_run
 
 from rl_tpu.cluster.calls import ActorError
 from rl_tpu.controller.checks import validate

@@ -7,17 +7,9 @@ import logging
 import os
 
 import pytest
+from conftest import tensorboard_scalars
 
 from rl_tpu.outputs.tracking import Trackers, environment_defaults, scalars
-
-
-def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
-    """tag -> step -> value, read back with TensorBoard's own event reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(folder))
-    events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
 def test_tensorboard_gets_the_numeric_metrics_and_the_config(tmp_path):

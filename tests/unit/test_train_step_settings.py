@@ -9,8 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import free_port
-from test_algorithms import make_batch
+from conftest import free_port, make_batch
 from torch.distributed.tensor import DTensor
 
 from rl_tpu.config import RunConfig

@@ -1,0 +1,7 @@
+"""Outputs of a run: `metrics.jsonl` and the progress bar (`metrics`), trackers through verl's `Tracking`
+(`tracking`), plots (`plots`), run and sweep reports (`report`), checkpoint folders (`checkpoints`) and the
+Hugging Face export with its model card (`export`).
+
+Used by the controller and the entry points only: a trainer rank never imports the reporting stack. May
+import models, data, config and records.
+"""
