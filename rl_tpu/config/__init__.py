@@ -384,6 +384,13 @@ class RewardConfig:
 
 
 @dataclass
+class ExportConfig:
+    # trainer.push_to_hub (and `python -m rl_tpu.export --push-to-hub`) refuses a public repository unless this is
+    # true; a repository that does not exist is made private
+    public: bool = False
+
+
+@dataclass
 class RayConfig:
     address: Optional[str] = None  # None: start a local cluster; `auto`: join the cluster this node belongs to
     num_cpus: Optional[int] = None  # None: the core count plus one, so the sampler is never starved
@@ -410,6 +417,7 @@ class RunConfig:
     # verl's key for reward.custom, accepted so verl command lines work unchanged
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
     def check(self) -> None:

@@ -11,6 +11,7 @@ from rl_tpu.cluster.device import Device
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.controller import batch_shaping
 from rl_tpu.grader.grader import reward_sources
+from rl_tpu.models.safe_checkpoint import check_metadata
 from rl_tpu.outputs import checkpoints
 
 
@@ -25,7 +26,8 @@ def validate(cfg: RunConfig) -> None:
         cfg.algorithm.filter_groups, reward_names, cfg.reward.overlong_buffer, cfg.sampler.response_length
     )
     if cfg.trainer.resume_from:
-        checkpoints.latest(Path(cfg.trainer.resume_from).expanduser())  # names the folder if there is nothing to resume
+        # names the folder if there is nothing to resume, and refuses a checkpoint that would run code
+        check_metadata(checkpoints.latest(Path(cfg.trainer.resume_from).expanduser()))
     per_step = cfg.data.train_batch_size * cfg.sampler.n
     if per_step % cfg.trainer.world_size:
         raise ValueError(

@@ -147,7 +147,7 @@ def train(job: Job, restarted: bool) -> None:
             workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
             write_model_card(job.run_dir / "export", job.run_dir, value_of(cfg.model.dtype))
             if cfg.trainer.push_to_hub:
-                push_to_hub(job.run_dir / "export", cfg.trainer.push_to_hub)
+                push_to_hub(job.run_dir / "export", cfg.trainer.push_to_hub, public=cfg.export.public)
     finally:
         workers.shutdown()
 

@@ -36,11 +36,12 @@ def run_settings(checkpoint: Path) -> dict:
 def load_policy(checkpoint: Path):
     """The checkpoint's policy as a `transformers` model in fp32 (built from the checkpoint's own config)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rl_tpu.models.hf import hf_name
+    from rl_tpu.models.safe_checkpoint import check_metadata, load_state
 
+    metadata = check_metadata(checkpoint)  # before anything else of the checkpoint is read
     files = checkpoint / MODEL_FILES
     if not (files / "config.json").is_file():
         raise FileNotFoundError(
@@ -52,7 +53,7 @@ def load_policy(checkpoint: Path):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     stored = {
         hf_name(key.removeprefix("model.")): key.removeprefix("model.")
-        for key in dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        for key in metadata.state_dict_metadata
         if key.startswith("model.")
     }
     wanted, missing = {}, []
@@ -66,7 +67,8 @@ def load_policy(checkpoint: Path):
             f"{checkpoint}: the checkpoint's model state has no {', '.join(missing[:4])}"
             f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of the model's tensors missing)"
         )
-    dcp.load({"model": wanted}, checkpoint_id=str(checkpoint), no_dist=True)  # in place, into the model's tensors
+    # in place, into the model's tensors
+    load_state({"model": wanted}, checkpoint, no_dist=True)
     return model.eval()
 
 
@@ -88,12 +90,20 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     return out
 
 
+def without_local_path(override: str) -> str:
+    """`KEY=VALUE` with an absolute or home-relative VALUE cut to its last part: a model card names no local path."""
+    key, sep, value = override.partition("=")
+    if sep and value.startswith(("/", "~")):
+        return f"{key}=.../{Path(value).name}"
+    return override
+
+
 def write_model_card(
     folder: Path, run_dir: Path, dtype: str, step: int | None = None, source: str = "the end of the run"
 ) -> None:
     """README.md in an exported folder: how the policy was trained, what it reached by `step` (None: the last
     step logged), and the command."""
-    overrides = run_overrides(run_dir)
+    overrides = [without_local_path(o) for o in run_overrides(run_dir)]
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if step is None or r["step"] <= step]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     steps = max((r["step"] for r in rows), default=0)
@@ -111,7 +121,7 @@ tags: [rl_tpu, grpo, reinforcement-learning]
 
 - recipe: `{recipe}`; exported from {source} (step {steps}), weights in {dtype}
 - held-out accuracy (the recipe's reward, greedy): {accuracy}
-- run folder: `{run_dir}`
+- run folder: `{run_dir.name}`
 
 Trained with:
 
@@ -121,15 +131,25 @@ Trained with:
 """)
 
 
-def push_to_hub(folder: Path, repo_id: str) -> bool:
-    """Upload an exported folder to a Hub repository, made private if it does not exist (a trained policy should
-    not become public by accident). Offline, no token, no rights: a warning, and the export stays on disk."""
+def push_to_hub(folder: Path, repo_id: str, public: bool = False) -> bool:
+    """Upload an exported folder to a Hub repository. A new repository is made private, and an existing public one
+    is refused unless `public` (`export.public=true`; `--public` on the command line): a trained policy never
+    becomes public by accident. Offline, no token, no rights, refused: a warning, and the export stays on disk."""
     try:
         from huggingface_hub import HfApi
 
         api = HfApi()
-        api.create_repo(repo_id, private=True, exist_ok=True)
-        api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=f"rl_tpu export of {folder}")
+        if not api.repo_exists(repo_id):
+            api.create_repo(repo_id, private=True)
+        elif not api.repo_info(repo_id).private and not public:
+            log.warning(
+                "push to hub %s refused: the repository is public (export.public=true uploads into it anyway); "
+                "the export stays in %s",
+                repo_id,
+                folder,
+            )
+            return False
+        api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="rl_tpu export")
     except Exception as failed:
         log.warning(
             "push to hub %s failed (%s: %s); the export stays in %s", repo_id, type(failed).__name__, failed, folder
@@ -145,11 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="the Hugging Face folder to write")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the run's model.dtype")
     parser.add_argument("--push-to-hub", metavar="REPO", help="also upload the folder to this Hub repository")
+    parser.add_argument("--public", action="store_true", help="let --push-to-hub upload into a public repository")
     args = parser.parse_args(argv)
     out = export_checkpoint(args.checkpoint, args.out, args.dtype)
     print(f"exported {out}")
     if args.push_to_hub:
-        push_to_hub(out, args.push_to_hub)
+        push_to_hub(out, args.push_to_hub, public=args.public)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rl_tpu.models.hf import MODEL_FILES, copy_model_files
+from rl_tpu.models.safe_checkpoint import load_state
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
@@ -37,7 +38,8 @@ def save_checkpoint(
 
 
 def load_checkpoint(folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """Read as data (`safe_checkpoint`): a checkpoint that would run code is refused before any of it runs."""
     state = _state(model, optimizer, scheduler)
-    dcp.load(state, checkpoint_id=folder)
+    load_state(state, folder)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
+import pytest
 import yaml
 
 from rl_tpu.outputs.export import push_to_hub, write_model_card
@@ -43,3 +45,51 @@ def test_a_mid_run_card_reports_what_the_policy_had_reached_at_its_step(tmp_path
     write_model_card(tmp_path, fake_run(tmp_path), "float32", step=10, source="checkpoint step_10")
     card = (tmp_path / "README.md").read_text()
     assert "exported from checkpoint step_10 (step 10)" in card and "50.0% before training -> 70.0% after" in card
+
+
+class StandInHub:
+    """huggingface_hub.HfApi's calls that push_to_hub makes, against a dict of repositories {id: private}."""
+
+    repos: dict[str, bool] = {}
+    uploads: list[str] = []
+
+    def repo_exists(self, repo_id):
+        return repo_id in self.repos
+
+    def repo_info(self, repo_id):
+        return SimpleNamespace(private=self.repos[repo_id])
+
+    def create_repo(self, repo_id, private):
+        self.repos[repo_id] = private
+
+    def upload_folder(self, repo_id, folder_path, commit_message):
+        assert "/" not in commit_message  # no local path leaves the machine in the commit either
+        self.uploads.append(repo_id)
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", StandInHub)
+    StandInHub.repos, StandInHub.uploads = {"me/open": False, "me/closed": True}, []
+    return StandInHub
+
+
+def test_a_public_repository_is_refused_unless_asked_and_a_new_one_is_private(tmp_path, hub, caplog):
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.outputs.export"):
+        assert push_to_hub(tmp_path, "me/open") is False
+    assert hub.uploads == [] and "the repository is public (export.public=true" in caplog.text
+    assert push_to_hub(tmp_path, "me/open", public=True) and push_to_hub(tmp_path, "me/closed")
+    assert push_to_hub(tmp_path, "me/new") and hub.repos["me/new"] is True
+    assert hub.uploads == ["me/open", "me/closed", "me/new"]
+
+
+def test_the_model_card_names_no_local_path(tmp_path):
+    run = fake_run(tmp_path)
+    overrides = ["+recipe=grpo_gsm8k", f"model.path={tmp_path}/models/Qwen", "data.train_files=~/data/train.parquet"]
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    write_model_card(tmp_path, run, "float32")
+    card = (tmp_path / "README.md").read_text()
+    assert str(tmp_path) not in card and "~/" not in card and "/root" not in card and "/home" not in card
+    assert "model.path=.../Qwen data.train_files=.../train.parquet" in card and "run folder: `run`" in card
