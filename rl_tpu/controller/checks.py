@@ -34,6 +34,12 @@ def validate(cfg: RunConfig) -> None:
             f"data.train_batch_size * sampler.n = {per_step} sequences must divide evenly over "
             f"trainer.world_size={cfg.trainer.world_size}"
         )
+    if value_of(cfg.sync.transport) == "tpu_sync" and cfg.trainer.is_async:
+        raise ValueError(
+            f"sync.transport=tpu_sync with trainer.max_staleness={cfg.trainer.max_staleness}: an engine reads TPU "
+            "Sync's staging buffers in place, and in async mode the next push could overwrite them between their "
+            "check and their load; use trainer.max_staleness=0 or sync.transport=object_store"
+        )
     placement.check_request(cfg)
     if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray

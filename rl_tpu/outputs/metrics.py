@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -12,6 +14,8 @@ from typing import Optional
 from tqdm import tqdm
 
 from rl_tpu.outputs.tracking import Trackers
+
+log = logging.getLogger(__name__)
 
 # Shown on the progress bar, in this order, when present.
 BAR_KEYS = {
@@ -72,6 +76,8 @@ class MetricsLogger:
         record = {"step": step, TIMESTAMP: time.time(), **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # the step's line is on disk before the next step starts
         self.records.append(record)
         if self.trackers:
             self.trackers.log(step, metrics)
@@ -87,4 +93,19 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a metrics.jsonl. A torn last line, what a crash in the middle of a write leaves, is dropped with a
+    warning naming it; any other line that is not JSON is an error naming the file and the line."""
+    lines = [(number, line) for number, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if index < len(lines) - 1:
+                raise ValueError(
+                    f"{path}: line {number} is not a JSON object ({err}); only a torn last line is dropped"
+                ) from err
+            log.warning(
+                "%s: line %d is torn (%s), as a crash in the middle of a write leaves it: dropped", path, number, err
+            )
+    return rows

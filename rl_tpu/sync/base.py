@@ -14,6 +14,10 @@ class Transport:
     # whether any trainer rank may stage buckets: the receiver then fetches each from where it was put
     any_rank_sends: bool = False
 
+    def prepare(self, bundle_bytes: int) -> None:
+        """Called once on a sending rank, before the first bundle, with its size: a transport that keeps bundles
+        checks its room here, at start, rather than failing at a step."""
+
     def flush(self) -> None:
         """Called after the last bucket of a bundle; transports that send per bucket have nothing left."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -13,12 +14,48 @@ from rl_tpu.records import Bucket, WeightSyncError
 from rl_tpu.sync.base import Transport
 from rl_tpu.sync.bundle import as_bytes
 
+log = logging.getLogger(__name__)
+
+
+def reclaim_dead_senders(root: Path) -> list[Path]:
+    """Remove the folders of senders that died without `close()` (a SIGKILLed trainer rank 0): `sender-<pid>`
+    folders of this user whose process no longer exists. Their bundles would otherwise stay in RAM for good."""
+    reclaimed = []
+    for folder in root.glob("sender-*") if root.is_dir() else ():
+        pid = folder.name.removeprefix("sender-")
+        if pid.isdigit() and folder.stat().st_uid == os.getuid() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            reclaimed.append(folder)
+    return reclaimed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
 
 class ShmFileTransport(Transport):
     name = "shm_file"
 
     def __init__(self, root: str = "/dev/shm/rl_tpu"):
+        for folder in reclaim_dead_senders(Path(root)):
+            log.warning("removed %s, the weight bundles of a sender that died without cleaning up", folder)
         self.root = Path(root) / f"sender-{os.getpid()}"
+
+    def prepare(self, bundle_bytes: int) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        free, need = shutil.disk_usage(self.root).free, 2 * bundle_bytes  # a version stays until the next installs
+        if free < need:
+            raise WeightSyncError(
+                f"sync.transport=shm_file: {self.root.parent} has {free / 2**20:.0f} MiB free, and the run keeps two "
+                f"weight bundles of {bundle_bytes / 2**20:.0f} MiB there ({need / 2**20:.0f} MiB): give /dev/shm "
+                "more room (docker run --shm-size) or set sync.transport=object_store"
+            )
 
     def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> str:
         from safetensors.torch import save_file

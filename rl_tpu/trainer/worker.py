@@ -81,6 +81,9 @@ class TrainerWorker:
         self.transport = make_transport(
             value_of(cfg.sync.transport), cfg.sync.shm_dir, host=master_addr, receivers=cfg.sampler.num_engines
         )
+        if rank == 0 or self.transport.any_rank_sends:
+            served = weights.served_specs(self.model, self.served_dtype)
+            self.transport.prepare(sum(spec.nbytes for spec in served.values()))
 
     def _load_model(self, mesh) -> torch.nn.Module:
         """Shard first, then fill: the model is built on the meta device and sharded, rank 0 reads the

@@ -40,7 +40,12 @@ def test_sigterm_saves_stops_and_resume_auto_continues_exactly(six_step_run, tmp
     assert 2 <= steps[-1] < 6 and f"SIGTERM after step {steps[-1]}" in output
     assert f"hydra.run.dir={run_dir} trainer.resume=auto" in output
 
-    run_cli(run_dir, tmp_path / "cache", "trainer.total_steps=6", "trainer.checkpoint_every=0", "trainer.resume=auto")
+    with open(run_dir / "metrics.jsonl", "a") as metrics:  # what a crash in the middle of a write leaves
+        metrics.write('{"step": 9, "reward/me')
+    resumed = run_cli(
+        run_dir, tmp_path / "cache", "trainer.total_steps=6", "trainer.checkpoint_every=0", "trainer.resume=auto"
+    )
+    assert "is torn" in resumed.stdout + resumed.stderr
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # one file, each step once
     assert_same_steps(rows, six_step_run)

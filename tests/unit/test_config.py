@@ -68,6 +68,7 @@ def test_value_checks_name_the_key():
         (["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k9"], "algorithm.kl_penalty='k9': allowed values"),
         (["trainer.total_steps=-1"], r"trainer.total_steps=-1 and trainer.eval_pass_k=0 at least 0"),
         (["trainer.eval_pass_k=-2"], r"trainer.eval_pass_k=-2 at least 0 \(total_steps 0: evaluate the model only"),
+        (["sync.transport=tpu_sync", "trainer.max_staleness=1"], "tpu_sync with trainer.max_staleness=1: an engine"),
     ],
 )
 def test_algorithm_settings_are_checked_at_start(overrides, message):
