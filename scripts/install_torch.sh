@@ -10,6 +10,8 @@ set -euo pipefail
 VERSION=2.13.0
 INDEX="${RL_TPU_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 say() { echo "scripts/install_torch.sh: $*"; }
+with_deps=()  # the options without --no-deps: the CUDA build does not import without its nvidia-* libraries
+for option in "$@"; do [[ "$option" == --no-deps ]] || with_deps+=("$option"); done
 pip_install() { python -m pip install --quiet "$@"; }
 
 if pip_install "$@" "torch==$VERSION+cpu" 2>/dev/null; then
@@ -19,7 +21,7 @@ elif pip_install --timeout 30 --retries 1 --index-url "$INDEX" "$@" "torch==$VER
 else
   say "PyTorch's CPU wheel index ($INDEX) gave no torch $VERSION+cpu: installing torch==$VERSION as pip finds it."
   say "On Linux x86_64 that is the CUDA build: it runs on a CPU, but takes several GB more disk than the CPU build."
-  pip_install "$@" "torch==$VERSION"
+  pip_install "${with_deps[@]}" "torch==$VERSION"
   say "installed the build pip found for torch==$VERSION (not the CPU build); set RL_TPU_TORCH_CPU_INDEX to a" \
       "reachable copy of PyTorch's CPU index to get it"
 fi

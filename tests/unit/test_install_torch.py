@@ -15,24 +15,28 @@ import pytest
 from conftest import REPO
 
 
-def fake_wheel(folder: Path, version: str) -> None:
+def fake_wheel(folder: Path, version: str, name: str = "torch", requires: str = "") -> None:
     """A torch wheel of `version` holding only its metadata (what pip reads to choose and resolve it), in a PEP 503
     project page under `folder`/simple."""
-    project = folder / "simple" / "torch"
+    project = folder / "simple" / name
     project.mkdir(parents=True, exist_ok=True)
-    info, name = f"torch-{version}.dist-info", f"torch-{version}-py3-none-any.whl"
-    (project / "index.html").write_text(f'<!DOCTYPE html><html><body><a href="{name}">{name}</a></body></html>')
-    with zipfile.ZipFile(project / name, "w") as wheel:
-        wheel.writestr("torch/__init__.py", "")
-        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    stem = name.replace("-", "_")  # a wheel's file name spells the project with underscores
+    info, file = f"{stem}-{version}.dist-info", f"{stem}-{version}-py3-none-any.whl"
+    (project / "index.html").write_text(f'<!DOCTYPE html><html><body><a href="{file}">{file}</a></body></html>')
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + (
+        f"Requires-Dist: {requires}\n" if requires else ""
+    )
+    with zipfile.ZipFile(project / file, "w") as wheel:
+        wheel.writestr(f"{stem}/__init__.py", "")
+        wheel.writestr(f"{info}/METADATA", metadata)
         wheel.writestr(
             f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
         )
         wheel.writestr(f"{info}/RECORD", "")
 
 
-def install_torch(tmp_path: Path, registry: Path, cpu_index: Path, **env: str) -> tuple[str, str]:
-    """(the version pip would install, what the script said)."""
+def install_torch(tmp_path: Path, registry: Path, cpu_index: Path, *options: str, **env: str) -> tuple[dict, str]:
+    """({package: version} pip would install, what the script said)."""
     report = tmp_path / "report.json"
     environment = {
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
@@ -45,7 +49,7 @@ def install_torch(tmp_path: Path, registry: Path, cpu_index: Path, **env: str) -
         **env,
     }
     result = subprocess.run(
-        ["bash", "scripts/install_torch.sh", "--dry-run", "--ignore-installed", "--report", str(report)],
+        ["bash", "scripts/install_torch.sh", *options, "--dry-run", "--ignore-installed", "--report", str(report)],
         cwd=REPO,
         env=environment,
         capture_output=True,
@@ -53,14 +57,15 @@ def install_torch(tmp_path: Path, registry: Path, cpu_index: Path, **env: str) -
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    (torch,) = [p for p in json.loads(report.read_text())["install"] if p["metadata"]["name"] == "torch"]
-    return torch["metadata"]["version"], result.stdout
+    chosen = {p["metadata"]["name"]: p["metadata"]["version"] for p in json.loads(report.read_text())["install"]}
+    return chosen, result.stdout
 
 
 @pytest.fixture
 def indexes(tmp_path):
     registry, cpu_index, empty = tmp_path / "registry", tmp_path / "cpu-index", tmp_path / "empty"
-    fake_wheel(registry, "2.13.0")  # the registry has the default (on Linux, CUDA) build only
+    fake_wheel(registry, "2.13.0", requires="nvidia-cudnn")  # the registry has the default (CUDA) build only
+    fake_wheel(registry, "9.0", name="nvidia-cudnn")
     fake_wheel(cpu_index, "2.13.0+cpu")
     (empty / "simple").mkdir(parents=True)
     return registry, cpu_index, empty
@@ -68,18 +73,18 @@ def indexes(tmp_path):
 
 def test_a_users_box_gets_the_cpu_build_from_pytorchs_index(tmp_path, indexes):
     registry, cpu_index, _ = indexes
-    version, said = install_torch(tmp_path, registry, cpu_index)
-    assert version == "2.13.0+cpu" and "the CPU build, from PyTorch's CPU wheel index" in said
+    chosen, said = install_torch(tmp_path, registry, cpu_index)
+    assert chosen == {"torch": "2.13.0+cpu"} and "the CPU build, from PyTorch's CPU wheel index" in said
 
 
 def test_pips_own_sources_are_used_first_where_they_hold_the_cpu_build(tmp_path, indexes):
     registry, cpu_index, empty = indexes
-    version, said = install_torch(tmp_path, registry, empty, PIP_FIND_LINKS=str(cpu_index / "simple" / "torch"))
-    assert version == "2.13.0+cpu" and "the CPU build, from the sources pip is configured with" in said
+    chosen, said = install_torch(tmp_path, registry, empty, PIP_FIND_LINKS=str(cpu_index / "simple" / "torch"))
+    assert chosen == {"torch": "2.13.0+cpu"} and "the CPU build, from the sources pip is configured with" in said
 
 
 def test_without_the_cpu_index_it_falls_back_to_plain_torch_and_says_what_that_costs(tmp_path, indexes):
     registry, _, empty = indexes
-    version, said = install_torch(tmp_path, registry, empty)
-    assert version == "2.13.0"
+    chosen, said = install_torch(tmp_path, registry, empty, "--no-deps")  # as the locked install asks
+    assert chosen == {"torch": "2.13.0", "nvidia-cudnn": "9.0"}  # the CUDA build with its libraries
     assert "gave no torch 2.13.0+cpu" in said and "CUDA build" in said and "not the CPU build" in said
