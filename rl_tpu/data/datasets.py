@@ -71,25 +71,53 @@ def plain(value: Any) -> Any:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a .parquet or JSON-lines file, as plain dicts."""
+    """The rows of a .parquet file, a .jsonl file (JSON Lines: one object a line), or a .json file: a JSON array of
+    row objects, or JSON Lines, as Hugging Face's `to_json` writes .json files. Errors name the format read."""
     if not path.exists():
         raise FileNotFoundError(f"dataset file {path} does not exist")
     if path.suffix == ".parquet":
         return [plain(row) for row in pd.read_parquet(path).to_dict("records")]
     if path.suffix not in DATA_SUFFIXES:
         raise ValueError(f"dataset file {path}: unknown format {path.suffix!r}; allowed: {', '.join(DATA_SUFFIXES)}")
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return _json_array_rows(path, text)
+    return _json_lines_rows(path, text)
+
+
+def _json_array_rows(path: Path, text: str) -> list[dict]:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}: read as a JSON array of rows: not valid JSON at line {err.lineno} ({err.msg})"
+        ) from None
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{path}: read as a JSON array of rows: row {index} (counting from 0) is a "
+                f"{type(row).__name__}, not an object"
+            )
+    return rows
+
+
+def _json_lines_rows(path: Path, text: str) -> list[dict]:
     rows = []
-    with path.open() as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: line {number}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {number}: a row must be a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}: line {number}: not valid JSON ({err.msg}); read as JSON Lines, one object a line"
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{path}: line {number}: a row must be a JSON object, got {type(row).__name__} (read as "
+                "JSON Lines, one object a line; a .json file may also hold one JSON array of rows)"
+            )
+        rows.append(row)
     return rows
 
 

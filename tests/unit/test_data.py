@@ -255,3 +255,19 @@ def test_math_prepare_takes_the_last_boxed_answer(tmp_path):
         "split": "test",
         "index": 3,
     }
+
+
+def test_a_json_file_holds_an_array_of_rows_or_json_lines_and_errors_name_the_format(tmp_path, tokenizer):
+    rows = [verl_row("Q: 1+1? A:", "2"), verl_row("Q: 2+2? A:", "4")]
+    (tmp_path / "array.json").write_text(json.dumps(rows, indent=2))
+    write_jsonl(tmp_path / "lines.json", rows)  # what Hugging Face's to_json writes to a .json file
+    for name in ("array.json", "lines.json"):
+        assert [e.ground_truth for e in load_examples(tmp_path / name, tokenizer, DataConfig())] == ["2", "4"]
+    (tmp_path / "bad.json").write_text(json.dumps([rows[0], [1, 2]]))
+    with pytest.raises(
+        ValueError, match=r"bad.json: read as a JSON array of rows: row 1 \(counting from 0\) is a list"
+    ):
+        load_examples(tmp_path / "bad.json", tokenizer, DataConfig())
+    (tmp_path / "torn.json").write_text('[{"prompt": "x"},\n')
+    with pytest.raises(ValueError, match=r"torn.json: read as a JSON array of rows: not valid JSON at line 2"):
+        load_examples(tmp_path / "torn.json", tokenizer, DataConfig())
