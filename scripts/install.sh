@@ -34,24 +34,26 @@ case "$DEVICE" in
     if [[ "$LOCKED" == 1 ]]; then
       bash scripts/install_torch.sh --no-deps              # the CPU build; its dependencies come from the lock
       $PIP install --quiet --require-hashes --no-deps -r requirements/lock/cpu.txt
-      if [[ "$DEV" == 1 ]]; then $PIP install --quiet --require-hashes --no-deps -r requirements/lock/dev.txt; fi
     else
       bash scripts/install_torch.sh                        # the CPU build; a plain `torch` is a CUDA build
       $PIP install --quiet --no-deps -r requirements/no-deps-cpu.txt
       $PIP install --quiet -r requirements/cpu.txt
-      if [[ "$DEV" == 1 ]]; then $PIP install --quiet -r requirements/dev.txt; fi
     fi
     ;;
   cuda)
     $PIP install --quiet -r requirements/cuda.txt
     $PIP install --quiet --no-deps verl==0.9.1
-    if [[ "$DEV" == 1 ]]; then $PIP install --quiet -r requirements/dev.txt; fi
     ;;
   *)
     echo "scripts/install.sh: --device must be cpu or cuda (got '$DEVICE'); TPU hosts: examples/tpu/README.md" >&2
     exit 2
     ;;
 esac
+if [[ "$DEV" == 1 && "$DEVICE" == cpu && "$LOCKED" == 1 ]]; then
+  $PIP install --quiet --require-hashes --no-deps -r requirements/lock/dev.txt
+elif [[ "$DEV" == 1 ]]; then
+  $PIP install --quiet -r requirements/dev.txt
+fi
 $PIP install --quiet --no-deps -e .
 DEVICE="$DEVICE" python - <<'PY'
 import os, sys
