@@ -18,32 +18,19 @@ import logging
 import math
 import os
 import statistics
-import subprocess
-import sys
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from rewards import BUILTIN_REWARDS
+from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
 from rl_tpu.config import CustomRewardConfig, RewardConfig
-from rl_tpu.grader.processes import RewardSource, Sample, WorkerLimits
+from rl_tpu.grader.processes import RewardSource, Sample
 
 log = logging.getLogger(__name__)
 
 CUSTOM = "custom"  # the key of the plugin in reward.combine and in metrics
-WORKER_START_TIMEOUT_S = 120
-# What a reward worker keeps of this process's environment without reward.pass_env: enough to run
-# Python and find temporary storage, and nothing that usually holds a secret (tokens, keys, passwords).
-BASE_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONHASHSEED")
-
-
-def worker_environment(pass_env: list[str]) -> dict[str, str]:
-    kept = {name: os.environ[name] for name in (*BASE_ENV, *pass_env) if name in os.environ}
-    # the workers import what this process imports (rewards/, the plugin's own imports)
-    return {**kept, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
 
 
 class RewardError(RuntimeError):
@@ -158,30 +145,25 @@ class Grades:
         )
 
 
-@dataclass
-class _Worker:
-    process: subprocess.Popen
-    inbox: Connection  # what the worker sends us
-    outbox: Connection  # what we send the worker
-    batched: bool
-    in_flight: deque = field(default_factory=deque)  # positions sent and not yet answered
-    deadline: float = math.inf
-
-
 class Grader:
     def __init__(self, reward: RewardConfig, alias: CustomRewardConfig | None = None):
         self.sources = reward_sources(reward, alias or CustomRewardConfig())
         self.weights = {s.label: s.weight for s in self.sources}
         self.primary = self.sources[0].label
         self.locations = {s.label: f"{s.path or s.module}:{s.function}" for s in self.sources}
-        self.timeout_s = reward.timeout_s
         self.max_failure_rate = reward.max_failure_rate
         # the CPU budget matches the wall-clock one: a busy loop is stopped even if this process stalls
-        self.limits = WorkerLimits(reward.worker_memory_mb, math.ceil(reward.timeout_s) + 1)
-        self.env = worker_environment(reward.pass_env)
-        count = reward.num_workers or min(4, os.cpu_count() or 1)
-        self.workers = [self._spawn() for _ in range(count)]
-        self.batched = self.workers[0].batched
+        limits = WorkerLimits(reward.worker_memory_mb, math.ceil(reward.timeout_s) + 1)
+        self.pool = WorkerPool(
+            "rl_tpu.grader.processes",
+            (self.sources, limits),
+            reward.num_workers or min(4, os.cpu_count() or 1),
+            worker_environment(reward.pass_env),
+            reward.timeout_s,
+            f"reward worker for {self.describe()}",
+            RewardError,
+        )
+        self.batched = self.pool.detail
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grader")  # one batch at a time, off the caller
 
     def describe(self) -> str:
@@ -194,7 +176,7 @@ class Grader:
 
     def grade(self, samples: list[Sample]) -> Grades:
         start = time.perf_counter()
-        outcomes = self._run(samples)
+        outcomes = self.pool.run(samples, self.batched, lambda kind, message: ("fail", self.describe(), kind, message))
         grades = self._collect(outcomes)
         grades.seconds = time.perf_counter() - start
         self._report(grades, samples)
@@ -202,104 +184,7 @@ class Grader:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
-        for worker in self.workers:
-            self._stop(worker)
-        self.workers = []
-
-    # -- worker processes ---------------------------------------------------------------------
-
-    def _spawn(self) -> _Worker:
-        from_parent, to_child = os.pipe()
-        from_child, to_parent = os.pipe()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "rl_tpu.grader.processes", str(from_parent), str(to_parent)],
-            pass_fds=(from_parent, to_parent),
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-        )
-        os.close(from_parent)
-        os.close(to_parent)
-        inbox, outbox = Connection(from_child, writable=False), Connection(to_child, readable=False)
-        outbox.send((self.sources, self.limits))
-        try:
-            if not inbox.poll(WORKER_START_TIMEOUT_S):
-                process.kill()
-                raise RewardError(
-                    f"reward worker for {self.describe()} did not start within {WORKER_START_TIMEOUT_S} s "
-                    "(does importing the plugin hang?)"
-                )
-            status, detail = inbox.recv()
-        except EOFError:
-            raise RewardError(f"reward worker for {self.describe()} exited at start (code {process.wait()})") from None
-        if status == "load_error":
-            process.wait()
-            raise RewardError(f"could not load reward {', '.join(self.locations.values())}:\n{detail}")
-        return _Worker(process, inbox, outbox, batched=detail)
-
-    def _stop(self, worker: _Worker, kill: bool = False) -> None:
-        worker.outbox.close()  # a worker waiting for work exits on EOF
-        if kill:
-            worker.process.kill()
-        try:
-            worker.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            worker.process.kill()
-            worker.process.wait()
-        worker.inbox.close()
-
-    def _replace(self, worker: _Worker) -> None:
-        self._stop(worker, kill=True)
-        self.workers[self.workers.index(worker)] = self._spawn()
-
-    # -- dispatch -----------------------------------------------------------------------------
-
-    def _run(self, samples: list[Sample]) -> list[tuple]:
-        """Every sample's outcome; keeps all workers busy and enforces the per-sample deadline."""
-        outcomes: list[tuple | None] = [None] * len(samples)
-        # Batched functions see a worker's whole share at once; per-sample ones get small chunks
-        # so the pool balances load, and a worker reports each sample as it finishes.
-        shares = len(self.workers) if self.batched else 4 * len(self.workers)
-        size = max(1, math.ceil(len(samples) / shares))
-        queue = deque(list(range(start, min(start + size, len(samples)))) for start in range(0, len(samples), size))
-        while any(o is None for o in outcomes):
-            for worker in self.workers:
-                if not worker.in_flight and queue:
-                    self._send(worker, queue.popleft(), samples)
-            busy = [w for w in self.workers if w.in_flight]
-            remaining = min(w.deadline for w in busy) - time.monotonic()
-            for inbox in wait([w.inbox for w in busy], timeout=max(0.0, remaining)):
-                worker = next(w for w in busy if w.inbox is inbox)
-                try:
-                    message = inbox.recv()
-                except (EOFError, OSError):
-                    self._lose(
-                        worker, outcomes, queue, "crash", f"the reward worker died (exit code {worker.process.wait()})"
-                    )
-                    continue
-                for position, outcome in message:
-                    outcomes[position] = outcome
-                    worker.in_flight.remove(position)
-                worker.deadline = time.monotonic() + self.timeout_s
-            for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline]:
-                self._lose(worker, outcomes, queue, "timeout", f"no score within reward.timeout_s={self.timeout_s:g} s")
-        return outcomes
-
-    def _send(self, worker: _Worker, positions: list[int], samples: list[Sample]) -> None:
-        worker.in_flight = deque(positions)
-        worker.deadline = time.monotonic() + self.timeout_s * (len(positions) if worker.batched else 1)
-        worker.outbox.send((positions, [samples[p] for p in positions]))
-
-    def _lose(self, worker: _Worker, outcomes: list, queue: deque, kind: str, message: str) -> None:
-        """A worker timed out or died: fail the sample(s) it was on, requeue the rest, replace it."""
-        # per-sample workers answer in order, so the first unanswered sample is the culprit
-        culprits = list(worker.in_flight) if worker.batched else [worker.in_flight[0]]
-        for position in culprits:
-            outcomes[position] = ("fail", self.describe(), kind, message)
-        rest = [p for p in worker.in_flight if p not in culprits]
-        if rest:
-            queue.appendleft(rest)
-        worker.in_flight = deque()
-        self._replace(worker)
+        self.pool.close()
 
     # -- results ------------------------------------------------------------------------------
 

@@ -5,12 +5,8 @@ speaks `multiprocessing.connection` messages over two pipes (plugins may print f
 stdout). Every outcome a plugin can produce is turned into a message here: a score, or a
 failure with the plugin's traceback. Timeouts and crashes are the grader's to see.
 
-Before loading anything the worker bounds itself (`WorkerLimits`): its address space, so a
-sample that allocates without bound fails with MemoryError instead of taking the host down,
-and the CPU seconds of each job (SIGXCPU ends the worker, which the grader sees as a crash).
-
-Protocol: receive ``(list[RewardSource], WorkerLimits)``; send ``("ready", batched)`` or ``("load_error",
-traceback)``. Then, per job ``(positions, samples)``, send ``[(position, outcome), ...]``: one
+It speaks `rl_tpu.cluster.worker_pool`'s protocol (bounded memory and CPU seconds, death with its parent): its
+setup is the list of `RewardSource`, its ready detail whether it scores a job as one batch, and it answers one
 message per sample, or one for the whole job when a function is batched.
 """
 
@@ -22,13 +18,12 @@ import importlib.util
 import inspect
 import math
 import numbers
-import resource
-import sys
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from rl_tpu.cluster.worker_pool import serve
 
 # A sample's outcome: ("ok", {reward: score}, {extra field: value}) or ("fail", reward, kind, message).
 Outcome = tuple
@@ -45,29 +40,6 @@ class RewardSource:
     weight: float = 1.0
     kwargs: tuple[tuple[str, Any], ...] = ()
     batched: bool | None = None  # None: batched iff the signature takes `solution_strs` (verl's batch form)
-
-
-@dataclass(frozen=True)
-class WorkerLimits:
-    memory_mb: int | None = None  # RLIMIT_AS of the worker process; None: unlimited
-    cpu_s_per_sample: float | None = None  # RLIMIT_CPU budget of each job, per sample in it; None: unlimited
-
-
-def limit_memory(memory_mb: int | None) -> None:
-    if memory_mb is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
-
-
-def limit_cpu(per_sample_s: float | None, samples: int) -> None:
-    """From now, at most `per_sample_s * samples` more CPU seconds (the soft limit moves with each job)."""
-    if per_sample_s is None:
-        return
-    seconds = per_sample_s * samples
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    used = usage.ru_utime + usage.ru_stime
-    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-    soft = math.ceil(used + seconds)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 @dataclass(frozen=True)
@@ -204,29 +176,19 @@ def score_batch(functions: list[RewardFunction], samples: list[Sample], loop) ->
     return [_combine(list(row), functions) for row in zip(*columns)]
 
 
-def serve(inbox: Connection, outbox: Connection) -> None:
-    sources, limits = inbox.recv()
-    limit_memory(limits.memory_mb)
-    try:
-        functions = [RewardFunction(source) for source in sources]
-    except Exception:
-        outbox.send(("load_error", traceback.format_exc()))
+def load(sources: list[RewardSource]) -> tuple[list[RewardFunction], bool]:
+    """The reward functions, and whether a job is scored as one batch (any function takes verl's batch form)."""
+    functions = [RewardFunction(source) for source in sources]
+    return functions, any(fn.batched for fn in functions)
+
+
+def answer(functions: list[RewardFunction], positions: list[int], samples: list[Sample], loop) -> Iterator[list]:
+    if any(fn.batched for fn in functions):
+        yield list(zip(positions, score_batch(functions, samples, loop)))
         return
-    batched = any(fn.batched for fn in functions)
-    outbox.send(("ready", batched))
-    loop = asyncio.new_event_loop()
-    while True:
-        try:
-            positions, samples = inbox.recv()
-        except EOFError:  # the grader closed its end: shut down
-            return
-        limit_cpu(limits.cpu_s_per_sample, len(samples))
-        if batched:
-            outbox.send(list(zip(positions, score_batch(functions, samples, loop))))
-        else:
-            for position, sample in zip(positions, samples):
-                outbox.send([(position, score_one(functions, sample, loop))])
+    for position, sample in zip(positions, samples):
+        yield [(position, score_one(functions, sample, loop))]
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+    serve(load, answer)

@@ -238,7 +238,7 @@ def test_a_plugin_that_allocates_without_bound_is_stopped_by_the_memory_limit(pl
 def test_a_cpu_bound_sample_is_stopped_by_the_cpu_limit(plugin):
     """RLIMIT_CPU (timeout_s + 1 s of CPU per sample) ends the worker even before the wall-clock deadline would."""
     grader = grader_for(plugin, num_workers=1, timeout_s=1.0, max_failure_rate=0.5)
-    grader.timeout_s = 60.0  # only the CPU limit is left to stop it
+    grader.pool.timeout_s = 60.0  # only the CPU limit is left to stop it
     start = time.monotonic()
     try:
         grades = grader.grade(samples(["spin", "a"]))
@@ -273,3 +273,44 @@ def test_scores_of_every_numeric_type_verl_accepts(plugin):
     assert grades.scores == [1.0, 0.25, 1.0, 0.5, 0.75, 0.0, 0.0]
     assert [f.index for f in grades.failures] == [5, 6]  # a two-element array and a string are not scores
     assert all(f.kind == "invalid" for f in grades.failures)
+
+
+def alive(pid: int) -> bool:
+    """Running, not merely waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_die_with_the_process_that_started_them(tmp_path):
+    """A driver killed outright (SIGKILL: no clean-up runs) while its rewards hang leaves no worker behind (an idle
+    worker would see its pipe close; a busy one must be killed)."""
+    import signal
+    import subprocess
+    import sys
+
+    plugin = tmp_path / "hangs.py"
+    plugin.write_text("import time\ndef compute_score(**kwargs):\n    time.sleep(600)\n")
+    script = (
+        "from rl_tpu.config import CustomRewardConfig, RewardConfig\n"
+        "from rl_tpu.grader.grader import Grader, Sample\n"
+        f"reward = RewardConfig(num_workers=2, timeout_s=600, custom=CustomRewardConfig(path={str(plugin)!r}))\n"
+        "grader = Grader(reward)\n"
+        "grader.submit([Sample('s', 'a', '1', {}) for _ in range(4)])\n"
+        "print(*[w.process.pid for w in grader.pool.workers], flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(workers) == 2 and all(alive(pid) for pid in workers)
+        time.sleep(1)  # both busy with a sample that sleeps
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers)

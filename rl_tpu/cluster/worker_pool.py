@@ -1,0 +1,235 @@
+"""Worker processes for user code (reward functions, tools): every job has a deadline, and a worker that runs past
+it or dies is killed and replaced; its job fails, never the run.
+
+A worker is ``python -m MODULE READ_FD WRITE_FD`` speaking `multiprocessing.connection` messages over two
+pipes (its stdout stays free for the user's prints); the module's ``__main__`` calls `serve`. Protocol: the pool
+sends ``(setup, WorkerLimits)``; the worker answers ``("ready", detail)`` or ``("load_error", traceback)``; then
+per job ``(positions, items)`` it answers with messages ``[(position, outcome), ...]``: one per item, or one for
+the whole job (a batched worker).
+
+Why not `concurrent.futures.ProcessPoolExecutor` or Ray tasks: neither can kill the one worker whose job hangs
+and go on with the others (a hung future can only be abandoned), and Ray tasks would put user code beside
+the run's actors. Workers die with the process that started them (`die_with_parent`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Iterable
+
+START_TIMEOUT_S = 120
+# What a worker keeps of this process's environment without `pass_env`: enough to run Python and find temporary
+# storage, and nothing that usually holds a secret (tokens, keys, passwords).
+BASE_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONHASHSEED")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def worker_environment(pass_env: list[str]) -> dict[str, str]:
+    kept = {name: os.environ[name] for name in (*BASE_ENV, *pass_env) if name in os.environ}
+    # the workers import what this process imports (rewards/, the plugin's own imports)
+    return {**kept, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+
+
+def die_with_parent() -> None:
+    """In a worker: be killed when the process that started it dies (Linux), so no worker outlives a killed run."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the call above
+        os._exit(1)
+
+
+def limit_memory(memory_mb: int | None) -> None:
+    if memory_mb is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
+
+
+def limit_cpu(per_item_s: float | None, items: int) -> None:
+    """From now, at most `per_item_s * items` more CPU seconds (the soft limit moves with each job)."""
+    if per_item_s is None:
+        return
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    used = usage.ru_utime + usage.ru_stime
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    soft = math.ceil(used + per_item_s * items)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    memory_mb: int | None = None  # RLIMIT_AS of the worker process; None: unlimited
+    cpu_s_per_item: float | None = None  # RLIMIT_CPU budget of each job, per item in it; None: unlimited
+
+
+def serve(
+    load: Callable[[Any], tuple[Any, Any]],
+    answer: Callable[[Any, list[int], list, asyncio.AbstractEventLoop], Iterable[list]],
+) -> None:
+    """A worker's side of the protocol (its ``__main__``). It dies with its parent and bounds itself by the setup's
+    `WorkerLimits` before loading anything: its address space, so that an item that allocates without bound fails
+    with MemoryError instead of taking the host down, and the CPU seconds of each job (SIGXCPU ends the worker,
+    which the pool sees as a crash). `load(setup)` returns the worker's state and its ready detail (or raises:
+    the traceback goes back as the load error); `answer(state, positions, items, loop)` yields the messages of one
+    job, each a list of ``(position, outcome)``."""
+    inbox = Connection(int(sys.argv[1]), writable=False)
+    outbox = Connection(int(sys.argv[2]), readable=False)
+    die_with_parent()
+    setup, limits = inbox.recv()
+    limit_memory(limits.memory_mb)
+    try:
+        state, detail = load(setup)
+    except Exception:
+        outbox.send(("load_error", traceback.format_exc()))
+        return
+    outbox.send(("ready", detail))
+    loop = asyncio.new_event_loop()  # for async user code (verl's tools, async reward functions)
+    while True:
+        try:
+            positions, items = inbox.recv()
+        except EOFError:  # the pool closed its end: shut down
+            return
+        limit_cpu(limits.cpu_s_per_item, len(items))
+        for message in answer(state, positions, items, loop):
+            outbox.send(message)
+
+
+@dataclass
+class _Worker:
+    process: subprocess.Popen
+    inbox: Connection  # what the worker sends us
+    outbox: Connection  # what we send the worker
+    detail: Any  # what its ready message said
+    in_flight: deque = field(default_factory=deque)  # positions sent and not yet answered
+    deadline: float = math.inf
+
+
+class WorkerPool:
+    """`count` workers of `module`; `run` spreads items over them with a deadline of `timeout_s` per item."""
+
+    def __init__(
+        self,
+        module: str,
+        setup: Any,
+        count: int,
+        env: dict[str, str],
+        timeout_s: float,
+        what: str,
+        error: Callable[[str], Exception],
+    ):
+        """`what` names the workers in errors ("reward worker for gsm8k"); `error` makes the exception raised when
+        one cannot start (its message given)."""
+        self.module, self.setup, self.env, self.timeout_s = module, setup, env, timeout_s
+        self.what, self.error = what, error
+        self.workers = [self._spawn() for _ in range(count)]
+
+    @property
+    def detail(self) -> Any:
+        """What the workers' ready message said (the same for every worker)."""
+        return self.workers[0].detail
+
+    def run(self, items: list, batched: bool, failed: Callable[[str, str], Any], shares_per_worker: int = 4) -> list:
+        """Every item's outcome, in order. `failed(kind, message)` is the outcome of an item whose worker timed out
+        ("timeout") or died ("crash"). Batched workers get one share each and a deadline per item in it; the others
+        get small shares (`shares_per_worker` each), so that the load balances, and answer item by item."""
+        outcomes: list = [None] * len(items)
+        shares = len(self.workers) * (1 if batched else shares_per_worker)
+        size = max(1, math.ceil(len(items) / shares))
+        queue = deque(list(range(start, min(start + size, len(items)))) for start in range(0, len(items), size))
+        done = 0
+        while done < len(items):
+            for worker in self.workers:
+                if not worker.in_flight and queue:
+                    self._send(worker, queue.popleft(), items, batched)
+            busy = [w for w in self.workers if w.in_flight]
+            remaining = min(w.deadline for w in busy) - time.monotonic()
+            for inbox in wait([w.inbox for w in busy], timeout=max(0.0, remaining)):
+                worker = next(w for w in busy if w.inbox is inbox)
+                try:
+                    message = inbox.recv()
+                except (EOFError, OSError):
+                    code = worker.process.wait()
+                    done += self._lose(
+                        worker, outcomes, queue, batched, failed("crash", f"the worker died (exit code {code})")
+                    )
+                    continue
+                for position, outcome in message:
+                    outcomes[position] = outcome
+                    worker.in_flight.remove(position)
+                    done += 1
+                worker.deadline = time.monotonic() + self.timeout_s
+            for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline]:
+                timeout = failed("timeout", f"no answer within {self.timeout_s:g} s")
+                done += self._lose(worker, outcomes, queue, batched, timeout)
+        return outcomes
+
+    def close(self) -> None:
+        for worker in self.workers:
+            self._stop(worker)
+        self.workers = []
+
+    def _spawn(self) -> _Worker:
+        from_parent, to_child = os.pipe()
+        from_child, to_parent = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "-m", self.module, str(from_parent), str(to_parent)],
+            pass_fds=(from_parent, to_parent),
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+        )
+        os.close(from_parent)
+        os.close(to_parent)
+        inbox, outbox = Connection(from_child, writable=False), Connection(to_child, readable=False)
+        outbox.send(self.setup)
+        try:
+            if not inbox.poll(START_TIMEOUT_S):
+                process.kill()
+                raise self.error(f"{self.what} did not start within {START_TIMEOUT_S} s (does importing it hang?)")
+            status, detail = inbox.recv()
+        except EOFError:
+            raise self.error(f"{self.what} exited at start (code {process.wait()})") from None
+        if status == "load_error":
+            process.wait()
+            raise self.error(f"could not load {self.what}:\n{detail}")
+        return _Worker(process, inbox, outbox, detail)
+
+    def _stop(self, worker: _Worker, kill: bool = False) -> None:
+        worker.outbox.close()  # a worker waiting for work exits on EOF
+        if kill:
+            worker.process.kill()
+        try:
+            worker.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait()
+        worker.inbox.close()
+
+    def _send(self, worker: _Worker, positions: list[int], items: list, batched: bool) -> None:
+        worker.in_flight = deque(positions)
+        worker.deadline = time.monotonic() + self.timeout_s * (len(positions) if batched else 1)
+        worker.outbox.send((positions, [items[p] for p in positions]))
+
+    def _lose(self, worker: _Worker, outcomes: list, queue: deque, batched: bool, outcome: Any) -> int:
+        """A worker timed out or died: fail the item(s) it was on, requeue the rest, replace it. Returns the
+        number of items failed."""
+        # per-item workers answer in order, so the first unanswered item is the culprit
+        culprits = list(worker.in_flight) if batched else [worker.in_flight[0]]
+        for position in culprits:
+            outcomes[position] = outcome
+        rest = [p for p in worker.in_flight if p not in culprits]
+        if rest:
+            queue.appendleft(rest)
+        worker.in_flight = deque()
+        self._stop(worker, kill=True)
+        self.workers[self.workers.index(worker)] = self._spawn()
+        return len(culprits)
