@@ -1,6 +1,6 @@
 """`rl-tpu --help`: the recipes, and every config key with its default and the comment that documents it.
 
-The descriptions are the comments on the fields of rl_tpu/config/__init__.py (on the field's line, or the comment
+The descriptions are the comments on the fields of the rl_tpu/config/ modules (on the field's line, or the comment
 block right above it), so the help cannot drift from the schema.
 """
 
@@ -106,7 +106,9 @@ def recipes() -> list[tuple[str, str]]:
 
 
 def help_text() -> str:
-    comments = field_comments(inspect.getsource(config))
+    comments = {}
+    for module in (config, config.episode, config.tiny):  # the schema's modules: the sections in files of their own
+        comments.update(field_comments(inspect.getsource(module)))
     lines = [USAGE, "recipes (+recipe=NAME):"]
     lines += [f"  {name:<20} {what}" for name, what in recipes()]
     rows = key_lines(config.RunConfig, comments)

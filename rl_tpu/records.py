@@ -11,25 +11,49 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 
 @dataclass
+class EpisodeStats:
+    """What a multi-turn episode did beside its tokens: turns, tool calls, how it ended."""
+
+    turns: int  # model turns
+    tool_calls: dict[str, int] = field(default_factory=dict)  # per tool name
+    tool_failures: dict[str, int] = field(default_factory=dict)  # per tool name: raised, timed out, invalid result
+    malformed_calls: int = 0  # tool-call blocks the parser could not read, or naming no known tool
+    env_tokens: int = 0  # tokens the environment appended (tool results): out of the loss
+    truncated: str | None = None  # "max_turns" or "max_tokens" when the episode was cut short, else None
+    tool_s: float = 0.0  # seconds the episode's tool calls took (they run concurrently across episodes)
+    tool_reward: float = 0.0  # the sum of the tools' `calc_reward` over the episode's calls
+
+
+@dataclass
 class Rollout:
+    """A prompt and what followed it: one completion, or a multi-turn episode (the model's turns and the
+    environment's tokens between them, in order, as the engine saw them)."""
+
     prompt_ids: list[int]
     completion_ids: list[int]
-    logprobs: list[float]  # sampler's logprob of each completion token, after temperature
-    weight_version: int
+    logprobs: list[float]  # sampler's logprob of each completion token, after temperature (0.0 on environment tokens)
+    weight_version: int  # of the oldest weights that sampled any of its tokens
     finish_reason: str  # "stop" (eos) or "length"
     group: int = 0  # index of the prompt in its batch; GRPO normalises within a group
+    # per completion token: 1 sampled by the model (in the loss), 0 appended by the environment; None: all sampled
+    model_mask: list[int] | None = None
+    episode: EpisodeStats | None = None  # multi-turn episodes only
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"rollout has {len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"
+            )
+        if self.model_mask is not None and len(self.model_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"rollout has {len(self.completion_ids)} completion tokens but a model mask of {len(self.model_mask)}"
             )
 
 
@@ -47,12 +71,19 @@ class TrainBatch:
     rollout_is_threshold: float = 2.0  # the weights are truncated at this
     # per sequence, whether its tokens are in the loss (overlong filtering leaves truncated ones out); None: all
     loss_mask: list[bool] | None = None
+    # per completion token, whether the model sampled it (environment tokens stay out of the loss); None: all did
+    model_masks: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         for i, (completion, advantages) in enumerate(zip(self.completion_ids, self.advantages, strict=True)):
             if len(advantages) != len(completion):
                 raise ValueError(
                     f"sequence {i} has {len(completion)} completion tokens but {len(advantages)} advantages"
+                )
+            if self.model_masks is not None and len(self.model_masks[i]) != len(completion):
+                raise ValueError(
+                    f"sequence {i} has {len(completion)} completion tokens but a model mask of "
+                    f"{len(self.model_masks[i])}"
                 )
 
     def __len__(self) -> int:
@@ -67,6 +98,7 @@ class TrainBatch:
             sampler_logprobs=[self.sampler_logprobs[i] for i in rows],
             advantages=[self.advantages[i] for i in rows],
             loss_mask=None if self.loss_mask is None else [self.loss_mask[i] for i in rows],
+            model_masks=None if self.model_masks is None else [self.model_masks[i] for i in rows],
         )
 
     def shard(self, rank: int, world_size: int) -> "TrainBatch":
@@ -100,9 +132,13 @@ class TrainBatch:
     def in_loss(self, i: int) -> bool:
         return self.loss_mask is None or self.loss_mask[i]
 
+    def model_tokens(self, i: int) -> int:
+        """Completion tokens of sequence i the model sampled."""
+        return len(self.completion_ids[i]) if self.model_masks is None else sum(self.model_masks[i])
+
     def num_tokens(self) -> int:
         """Completion tokens in the loss."""
-        return sum(len(c) for i, c in enumerate(self.completion_ids) if self.in_loss(i))
+        return sum(self.model_tokens(i) for i in range(len(self)) if self.in_loss(i))
 
     def num_seqs(self) -> int:
         """Sequences in the loss."""

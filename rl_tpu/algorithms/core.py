@@ -165,11 +165,16 @@ def _verl_algo_config(cfg: AlgorithmConfig):
     )
 
 
-def token_level(values: list[float], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, longest) tensors in verl's layout: each value on its row's last completion token, and the mask."""
+def token_level(
+    values: list[float], lengths: list[int], model_masks: list[list[int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, longest) tensors in verl's layout: each value on its row's last completion token, and the mask (with
+    `model_masks`, of the model's tokens only: an episode's tool results get no advantage, as in verl's agent loop)."""
     width = max(1, max(lengths))
     n = torch.tensor(lengths)
     mask = (torch.arange(width)[None, :] < n[:, None]).float()
+    for row, model_mask in enumerate(model_masks or ()):
+        mask[row, : len(model_mask)] = torch.tensor(model_mask, dtype=torch.float32)
     rewards = torch.zeros(len(values), width)
     rewards[torch.arange(len(values)), (n - 1).clamp(min=0)] = torch.tensor(values, dtype=torch.float32)
     return rewards, mask
@@ -182,18 +187,19 @@ def advantages(
     cfg: AlgorithmConfig,
     components: dict[str, list[float]] | None = None,
     token_penalties: list[list[float]] | None = None,
+    model_masks: list[list[int]] | None = None,
 ) -> list[list[float]]:
     """Each completion token's advantage from the outcome rewards, by `algorithm.adv_estimator`.
 
     Dispatched as verl's `ray_trainer.compute_advantage` does: the reward sits on each completion's
     last token, less each token's penalty in `token_penalties` (KL in the reward), `groups` is verl's
     `uid` (the prompt each completion answers), and `components` holds the reward's named parts
-    (`gdpo` normalises them one by one).
+    (`gdpo` normalises them one by one). `model_masks` (episodes) leave the environment's tokens out.
     """
     core_algos = _core_algos()
     name = cfg.adv_estimator
     validate_adv_estimator(name)
-    token_rewards, mask = token_level(rewards, lengths)
+    token_rewards, mask = token_level(rewards, lengths, model_masks)
     for row, penalty in enumerate(token_penalties or ()):
         token_rewards[row, : len(penalty)] -= torch.tensor(penalty, dtype=torch.float32)
     index = np.asarray(groups)

@@ -46,11 +46,17 @@ class KLInReward:
     def coef(self) -> float:
         return float(self.controller.value)
 
-    def penalties(self, token_kl: list[list[float]]) -> tuple[list[list[float]], dict[str, float]]:
+    def penalties(
+        self, token_kl: list[list[float]], masks: list[list[int]] | None = None
+    ) -> tuple[list[list[float]], dict[str, float]]:
         """Each token's penalty (beta * KL), then the controller's update from the batch's mean KL, as verl does:
-        the mean over sequences of each one's mean over its tokens, counted as one step per sequence."""
+        the mean over sequences of each one's mean over its tokens, counted as one step per sequence. With
+        `masks` (episodes), only the model's tokens count and carry a penalty; the environment's get none."""
         beta = self.coef
-        current = statistics.fmean(statistics.fmean(row) if row else 0.0 for row in token_kl)
+        if masks is not None:
+            token_kl = [[kl if keep else 0.0 for kl, keep in zip(row, mask)] for row, mask in zip(token_kl, masks)]
+        counts = [sum(mask) for mask in masks] if masks is not None else [len(row) for row in token_kl]
+        current = statistics.fmean(sum(row) / n if n else 0.0 for row, n in zip(token_kl, counts))
         self.controller.update(current_kl=current, n_steps=len(token_kl))
         return [[beta * kl for kl in row] for row in token_kl], {
             "actor/reward_kl_penalty": current,

@@ -28,31 +28,11 @@ from rl_tpu.config.choices import (
     Tracker,
     value_of,
 )
+from rl_tpu.config.episode import EpisodeConfig
+from rl_tpu.config.tiny import TinyModelConfig
 
 if TYPE_CHECKING:  # torch is imported only where a dtype is asked for: `rl-tpu --help` stays quick
     import torch
-
-
-@dataclass
-class TinyModelConfig:
-    """The locally built preset (`model=tiny_arith`); ignored when `model.path` is set."""
-
-    vocab_size: int = 512
-    split_digits: bool = True
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
-    max_position_embeddings: int = 128
-    seed: int = 0
-    # Supervised warm start on the training split so that GRPO starts with a reward signal.
-    warm_start_steps: int = 1200
-    warm_start_batch_size: int = 64
-    warm_start_lr: float = 1e-3
-    # Fraction of warm-start labels written by a teacher who forgets to carry / borrow (see README).
-    warm_start_teacher_error: float = 0.0
 
 
 @dataclass
@@ -410,6 +390,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -422,8 +403,14 @@ class RunConfig:
 
     def check(self) -> None:
         """Every section's own checks again (they run when a section is made; a program may have changed it)."""
-        for section in (self.data, self.sampler, self.actor, self.trainer, self.reward):
+        for section in (self.data, self.sampler, self.episode, self.actor, self.trainer, self.reward):
             section.__post_init__()
+
+    @property
+    def completion_tokens(self) -> int:
+        """The most tokens after a prompt: one completion's, or an episode's turns and tool results."""
+        e, turn = self.episode, self.sampler.response_length
+        return (e.max_tokens or turn * e.max_turns) if e.enable else turn
 
 
 def _required(key: str, what: str) -> None:

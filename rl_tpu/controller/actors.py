@@ -24,6 +24,8 @@ from rl_tpu.cluster import placement
 from rl_tpu.cluster.actor_logs import actor_name
 from rl_tpu.cluster.calls import ActorError, gather
 from rl_tpu.config import RunConfig, TrainerConfig, value_of
+from rl_tpu.episodes.loop import EpisodeLimits, EpisodeOptions
+from rl_tpu.episodes.tools import ToolSettings
 from rl_tpu.records import TrainBatch, WeightBundle
 from rl_tpu.sampler.engine import EngineOptions, launch_sampler
 from rl_tpu.sampler.pool import EngineRecovery, SamplerPool
@@ -177,14 +179,42 @@ def returns_freed_memory(trainer: TrainerConfig, model_path: Path) -> bool:
     return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors")) >= 256 * 2**20
 
 
+def episode_options(cfg: RunConfig, max_model_len: int) -> EpisodeOptions | None:
+    """What each engine needs to run episodes (`episode.enable`), else None."""
+    e = cfg.episode
+    if not e.enable:
+        return None
+    tools = ToolSettings(
+        e.tools_config_file and str(Path(e.tools_config_file).expanduser().resolve()),
+        e.function_tool_path and str(Path(e.function_tool_path).expanduser().resolve()),
+        e.tool_workers,
+        e.tool_timeout_s,
+        e.tool_memory_mb,
+        e.max_tool_response_chars,
+        e.tool_response_truncate_side,
+        tuple(cfg.reward.pass_env),
+    )
+    limits = EpisodeLimits(
+        e.max_turns, cfg.completion_tokens, cfg.sampler.response_length, max_model_len, e.max_parallel_calls
+    )
+    return EpisodeOptions(limits, tools, e.tool_parser, e.renderer, e.tool_response_format, tuple(e.stop))
+
+
 def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
     plan, s = workers.reservation.plan, cfg.sampler
     memory = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if plan.layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
-    max_len = cfg.data.max_prompt_length + s.response_length
+    max_len = cfg.data.max_prompt_length + cfg.completion_tokens
     restarts = s.max_restarts if workers.samplers.recovery else 0
     for engine, binding in enumerate(bindings):
         options = EngineOptions(
-            engine, log_dir, plan.engines_sleep, memory, s.enforce_eager, cfg.model.fp32_residual, binding
+            engine,
+            log_dir,
+            plan.engines_sleep,
+            memory,
+            s.enforce_eager,
+            cfg.model.fp32_residual,
+            binding,
+            episode_options(cfg, max_len),
         )
         ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
         workers.samplers.engines.append(

@@ -22,9 +22,7 @@ def validate(cfg: RunConfig) -> None:
     reward_names = [s.label for s in reward_sources(cfg.reward, cfg.custom_reward_function)]
     algorithms.validate(cfg, reward_names)
     kl_reward.validate(cfg.algorithm)
-    batch_shaping.validate(
-        cfg.algorithm.filter_groups, reward_names, cfg.reward.overlong_buffer, cfg.sampler.response_length
-    )
+    batch_shaping.validate(cfg.algorithm.filter_groups, reward_names, cfg.reward.overlong_buffer, cfg.completion_tokens)
     if cfg.trainer.resume_from:
         # names the folder if there is nothing to resume, and refuses a checkpoint that would run code
         check_metadata(checkpoints.latest(Path(cfg.trainer.resume_from).expanduser()))

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from rl_tpu.config import RunConfig
-from rl_tpu.controller.rollouts import grade, sampling_seed
+from rl_tpu.controller.rollouts import episode_metrics, grade, sampling_seed
 from rl_tpu.data.datasets import Example
 from rl_tpu.grader.grader import Grader, Grades
 from rl_tpu.sampler.engine import SamplingSettings
@@ -47,11 +47,13 @@ class PendingEval:
 
     def finish(self, tokenizer, grader: Grader, timeout_s: float) -> dict[str, float]:
         start = time.perf_counter()
-        grades: Grades = grade(self.greedy.result(timeout_s), self.examples, tokenizer, grader).result()
+        greedy = self.greedy.result(timeout_s)
+        grades: Grades = grade(greedy, self.examples, tokenizer, grader).result()
         metrics = {
             "eval/accuracy": statistics.fmean(grades.components[grader.primary]),
             "eval/reward": statistics.fmean(grades.scores),
             **grades.metrics("eval"),
+            **episode_metrics(greedy, "eval/episode"),
         }
         if self.sampled is not None:
             rollouts = self.sampled.result(timeout_s)
@@ -69,15 +71,17 @@ def start_eval(samplers: SamplerPool, examples: list[Example], cfg: RunConfig, w
     also `trainer.eval_pass_k` samples a prompt at `sampler.temperature` (none when it is 0)."""
     s, k = cfg.sampler, cfg.trainer.eval_pass_k
     prompts = [e.prompt_ids for e in examples]
+    tools_kwargs = [e.tools_kwargs for e in examples] if cfg.episode.enable else None
     greedy = samplers.generate(
-        prompts, SamplingSettings(n=1, temperature=0.0, max_tokens=s.response_length, logprobs=False)
+        prompts,
+        SamplingSettings(n=1, temperature=0.0, max_tokens=s.response_length, logprobs=False),
+        tools_kwargs=tools_kwargs,
     )
     sampled = None
     if with_samples and k > 0:
         settings = SamplingSettings(k, s.temperature, s.top_p, s.top_k, s.response_length, logprobs=False)
-        sampled = samplers.generate(
-            prompts, settings, [sampling_seed(s.seed, EVAL_BATCH, i) for i in range(len(prompts))]
-        )
+        seeds = [sampling_seed(s.seed, EVAL_BATCH, i) for i in range(len(prompts))]
+        sampled = samplers.generate(prompts, settings, seeds, tools_kwargs)
     return PendingEval(examples, greedy, sampled, k)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from rl_tpu.controller import batch_shaping
 from rl_tpu.controller.actors import Workers
 from rl_tpu.controller.batch_shaping import GradedBatch
 from rl_tpu.data.datasets import Example
-from rl_tpu.grader.grader import Grader, Sample
+from rl_tpu.grader.grader import Grader, Grades, Sample
 from rl_tpu.records import Rollout
 from rl_tpu.sampler.engine import SamplingSettings
 from rl_tpu.sampler.pool import PendingRollouts
@@ -37,7 +38,8 @@ def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig, bat
     s = cfg.sampler
     settings = SamplingSettings(s.n, s.temperature, s.top_p, s.top_k, s.response_length)
     seeds = [sampling_seed(s.seed, batch, i) for i in range(len(prompts))]
-    return workers.samplers.generate([p.prompt_ids for p in prompts], settings, seeds)
+    tools_kwargs = [p.tools_kwargs for p in prompts] if cfg.episode.enable else None
+    return workers.samplers.generate([p.prompt_ids for p in prompts], settings, seeds, tools_kwargs)
 
 
 def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Future:
@@ -48,6 +50,43 @@ def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Gr
         text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
         samples.append(Sample(example.data_source, text, example.ground_truth, example.extra_info))
     return grader.submit(samples)
+
+
+def with_tool_rewards(grades: Grades, rollouts: list[Rollout], source: str) -> Grades:
+    """The episodes' scores by `episode.reward`: the plugin's (as graded), the tools' rewards, or their sum."""
+    if source == "plugin" or not rollouts or rollouts[0].episode is None:
+        return grades
+    tools = [r.episode.tool_reward for r in rollouts]
+    scores = tools if source == "tools" else [s + t for s, t in zip(grades.scores, tools)]
+    return dataclasses.replace(grades, scores=scores, components={**grades.components, "tools": tools})
+
+
+def episode_metrics(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
+    """What the episodes did: turns, tool calls and failures per tool, malformed calls, environment tokens,
+    truncations, time waiting for tools. None for single completions."""
+    episodes = [r.episode for r in rollouts if r.episode is not None]
+    if not episodes:
+        return {}
+    mean = statistics.fmean
+    tools = sorted({name for e in episodes for name in e.tool_calls})
+    calls = [sum(e.tool_calls.values()) for e in episodes]
+    return {
+        f"{prefix}/turns_mean": mean(e.turns for e in episodes),
+        f"{prefix}/tool_calls_mean": mean(calls),
+        f"{prefix}/tool_call_rate": mean(c > 0 for c in calls),  # episodes that called a tool at all
+        f"{prefix}/malformed_calls_mean": mean(e.malformed_calls for e in episodes),
+        f"{prefix}/tool_failures_mean": mean(sum(e.tool_failures.values()) for e in episodes),
+        f"{prefix}/env_tokens_mean": mean(e.env_tokens for e in episodes),
+        f"{prefix}/length_mean": mean(len(r.completion_ids) for r in rollouts),
+        f"{prefix}/truncated_max_turns": mean(e.truncated == "max_turns" for e in episodes),
+        f"{prefix}/truncated_max_tokens": mean(e.truncated == "max_tokens" for e in episodes),
+        f"{prefix}/tool_wait_s_mean": mean(e.tool_s for e in episodes),
+        **{f"{prefix}/tool/{name}/calls": float(sum(e.tool_calls.get(name, 0) for e in episodes)) for name in tools},
+        **{
+            f"{prefix}/tool/{name}/failures": float(sum(e.tool_failures.get(name, 0) for e in episodes))
+            for name in tools
+        },
+    }
 
 
 class RolloutQueue:
@@ -121,9 +160,9 @@ def next_graded(
     rollouts: list[Rollout] = pending.result(cfg.ray.call_timeout_s)
     check_versions(step, rollouts, cfg)
     t1 = time.perf_counter()
-    grades = grade(rollouts, prompts, tokenizer, grader).result()
+    grades = with_tool_rewards(grade(rollouts, prompts, tokenizer, grader).result(), rollouts, cfg.episode.reward)
     penalties = batch_shaping.overlong_penalties(
-        [len(r.completion_ids) for r in rollouts], cfg.sampler.response_length, cfg.reward.overlong_buffer
+        [len(r.completion_ids) for r in rollouts], cfg.completion_tokens, cfg.reward.overlong_buffer
     )
     grades = dataclasses.replace(grades, scores=[s + p for s, p in zip(grades.scores, penalties)])
     return GradedBatch(prompts, rollouts, grades), t1 - t0, time.perf_counter() - t1, pending.shares()

@@ -13,6 +13,7 @@ the next batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -26,13 +27,14 @@ from rl_tpu.cluster import placement
 from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
 from rl_tpu.controller import evaluation
-from rl_tpu.controller.actors import Workers, start_workers
+from rl_tpu.controller.actors import Workers, episode_options, start_workers
 from rl_tpu.controller.checks import validate
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
 from rl_tpu.controller.rollouts import RolloutQueue
 from rl_tpu.controller.step import grpo_step
 from rl_tpu.data.arithmetic import ensure_arithmetic_dataset
 from rl_tpu.data.datasets import Example, batches, load_examples
+from rl_tpu.episodes.tools import ToolBox
 from rl_tpu.grader.grader import Grader
 from rl_tpu.models import precision
 from rl_tpu.models.resolve import check_decoder, resolve_model_path
@@ -164,9 +166,23 @@ def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]
 
 def load_datasets(cfg: RunConfig, cache_dir: Path, tokenizer) -> tuple[list[Example], list[Example]]:
     train_path, val_path = dataset_paths(cfg, cache_dir)
-    train = load_examples(train_path, tokenizer, cfg.data)
-    held_out = load_examples(val_path, tokenizer, cfg.data, max_rows=cfg.data.val_max_samples)
+    tools = tool_schemas(cfg)
+    train = load_examples(train_path, tokenizer, cfg.data, tools=tools)
+    held_out = load_examples(val_path, tokenizer, cfg.data, max_rows=cfg.data.val_max_samples, tools=tools)
     return train, held_out
+
+
+def tool_schemas(cfg: RunConfig) -> list[dict] | None:
+    """The episode's tools, loaded once in a worker process before Ray starts (a tool that cannot load fails
+    now, naming its file): their schemas, which a chat template puts in the prompt. None without episodes."""
+    options = episode_options(cfg, max_model_len=0)
+    if options is None:
+        return None
+    toolbox = ToolBox(dataclasses.replace(options.tools, num_workers=1))
+    try:
+        return list(toolbox.schemas.values())
+    finally:
+        toolbox.close()
 
 
 def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, float]:

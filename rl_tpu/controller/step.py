@@ -10,7 +10,7 @@ from rl_tpu.algorithms import core as algorithms
 from rl_tpu.algorithms.kl_reward import KLInReward
 from rl_tpu.config import RunConfig
 from rl_tpu.controller.actors import Workers
-from rl_tpu.controller.rollouts import RolloutQueue, collect
+from rl_tpu.controller.rollouts import RolloutQueue, collect, episode_metrics
 from rl_tpu.data.datasets import Example
 from rl_tpu.grader.grader import Grader
 from rl_tpu.records import TrainBatch
@@ -33,6 +33,7 @@ def grpo_step(
     t1 = time.perf_counter()
     lengths = [len(r.completion_ids) for r in rollouts]
     in_loss = [r.finish_reason != "length" for r in rollouts] if cfg.algorithm.overlong_filter else None
+    masks = [r.model_mask for r in rollouts] if cfg.episode.enable else None  # tool results: out of the loss
     batch = TrainBatch(  # advantages filled in below: the KL in the reward needs the batch first
         [r.prompt_ids for r in rollouts],
         [r.completion_ids for r in rollouts],
@@ -42,11 +43,12 @@ def grpo_step(
         algorithms.rollout_is_level(cfg.actor, cfg.trainer.is_async),
         cfg.actor.rollout_is_threshold,
         in_loss,
+        masks,
     )
     workers.release_devices()
-    penalties, kl_metrics = kl.penalties(workers.token_kl(batch)) if kl else (None, {})
+    penalties, kl_metrics = kl.penalties(workers.token_kl(batch), masks) if kl else (None, {})
     advantages = algorithms.advantages(
-        grades.scores, [r.group for r in rollouts], lengths, cfg.algorithm, grades.components, penalties
+        grades.scores, [r.group for r in rollouts], lengths, cfg.algorithm, grades.components, penalties, masks
     )
     t2 = time.perf_counter()
     train = workers.train(dataclasses.replace(batch, advantages=advantages))
@@ -67,6 +69,7 @@ def grpo_step(
         "rollout/samples": float(len(rollouts)),
         "response/length_mean": gen_tokens / len(generated),
         "response/truncated_frac": statistics.fmean(r.finish_reason == "length" for r in generated),
+        **episode_metrics(generated, "episode"),
         **train,
         **kl_metrics,
         "time/generate_s": sampled.generate_s,  # waiting for the sampler (its work may have started earlier)

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Sequence
 
+from rl_tpu.config.episode import EpisodeConfig
 from rl_tpu.data.datasets import verl_rule_row, write_verl_parquet
 
 ARITHMETIC_SOURCE = "rl_tpu/arithmetic"
@@ -30,6 +31,25 @@ def answer_without_carry(a: int, op: str, b: int) -> int:
 
 def arithmetic_prompt(a: int, op: str, b: int) -> str:
     return f"Q: What is {a} {op} {b}? A:"
+
+
+# tool_math: the calculator tool's name (examples/tools/calc_function.py) and what the tool's result looks like
+CALCULATOR = "calc"
+TOOL_RESPONSE_FORMAT = EpisodeConfig.tool_response_format
+
+
+def tool_trace(a: int, op: str, b: int, malformed: bool = False) -> tuple[str, str, str]:
+    """A teacher's episode for ``a op b`` with the calculator: its call (Hermes format), the tool's result as the
+    plain renderer writes it, and its answer. A malformed call lacks a closing brace: no parser reads it, so
+    the episode would end there, unanswered (the answer is then empty)."""
+    arguments = json.dumps({"expression": f"{a}{op}{b}"})
+    call = json.dumps({"name": CALCULATOR, "arguments": json.loads(arguments)})
+    if malformed:
+        call = call[:-1]
+    result = ARITHMETIC_OPS[op](a, b)
+    if malformed:
+        return f" <tool_call>{call}</tool_call>", "", ""
+    return f" <tool_call>{call}</tool_call>", TOOL_RESPONSE_FORMAT.format(result=result), f" {result}"
 
 
 def arithmetic_rows(ops: str, max_operand: int, split: str, problems: Sequence[tuple[int, str, int]]) -> list[dict]:

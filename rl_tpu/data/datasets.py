@@ -57,6 +57,11 @@ class Example:
     ground_truth: Any
     extra_info: dict[str, Any]
 
+    @property
+    def tools_kwargs(self) -> dict[str, Any]:
+        """verl's per-row tool arguments, `extra_info.tools_kwargs`: {tool name: {"create_kwargs": {...}}}."""
+        return self.extra_info.get("tools_kwargs") or {}
+
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -209,19 +214,23 @@ def ground_truth(row: dict, answer_key: str | None, path: Path, index: int) -> A
     return value
 
 
-def prompt_text(messages: list[dict], tokenizer) -> str:
+def prompt_text(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> str:
+    """The prompt through the tokenizer's chat template, with the tools' schemas where the template shows them."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools or None)
     # Tokenisers without a chat template (the tiny preset's) see the raw text.
     return "\n".join(m["content"] for m in messages)
 
 
-def load_examples(path: str | Path, tokenizer, cfg: DataConfig, max_rows: int | None = None) -> list[Example]:
+def load_examples(
+    path: str | Path, tokenizer, cfg: DataConfig, max_rows: int | None = None, tools: list[dict] | None = None
+) -> list[Example]:
     """Read and tokenise a dataset file; every row is checked before training starts.
 
     A bad row raises an error naming the file, the row and the field. Prompts longer than
     `data.max_prompt_length` tokens are skipped and counted (or raise, with
-    `data.filter_overlong_prompts=false`). `max_rows` keeps the first rows only.
+    `data.filter_overlong_prompts=false`). `max_rows` keeps the first rows only. `tools` (OpenAI function
+    schemas) go to the chat template, which puts them in the prompt (episodes with tools).
     """
     path = Path(path).expanduser()
     rows = read_rows(path)[:max_rows]
@@ -236,7 +245,7 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig, max_rows: int | 
         extra_info = row.get("extra_info") or {}
         if not isinstance(extra_info, dict):
             raise RowError(path, index, f"field 'extra_info' must be a mapping, got {type(extra_info).__name__}")
-        texts.append(prompt_text(messages, tokenizer))
+        texts.append(prompt_text(messages, tokenizer, tools))
         fields.append((source, truth, extra_info))
     # one call for all rows: the fast tokenizer batches them (a third faster than row by row on 20k prompts)
     token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []

@@ -59,6 +59,8 @@ def pad_batch(
         input_ids[i, prompt_len - n_p : prompt_len + n_c] = torch.tensor(prompt + completion)
         attention_mask[i, prompt_len - n_p : prompt_len + n_c] = 1
         response_mask[i, :n_c] = float(batch.in_loss(i))
+        if batch.model_masks is not None:  # environment tokens (tool results) are context, never trained on
+            response_mask[i, :n_c] *= torch.tensor(batch.model_masks[i], dtype=torch.float32)
         targets[i, :n_c] = torch.tensor(completion)
         sampler_logprobs[i, :n_c] = torch.tensor(batch.sampler_logprobs[i])
         advantages[i, :n_c] = torch.tensor(batch.advantages[i])

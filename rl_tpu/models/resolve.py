@@ -17,7 +17,13 @@ import torch
 from filelock import FileLock, Timeout
 
 from rl_tpu.config import DataConfig, ModelConfig, TinyModelConfig
-from rl_tpu.data.arithmetic import ARITHMETIC_OPS, answer_without_carry, arithmetic_prompt, split_arithmetic_problems
+from rl_tpu.data.arithmetic import (
+    ARITHMETIC_OPS,
+    answer_without_carry,
+    arithmetic_prompt,
+    split_arithmetic_problems,
+    tool_trace,
+)
 from rl_tpu.records import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -34,7 +40,7 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
             )
         return path
     settings = {
-        "tiny": dataclasses.asdict(cfg.tiny),
+        "tiny": preset_key_fields(cfg.tiny),
         "ops": data.ops,
         "max_operand": data.max_operand,
         "num_eval": data.num_eval,
@@ -54,6 +60,17 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
             f"{BUILD_WAIT_S:g} s; if no run is building it, delete the lock file"
         ) from None
     return folder
+
+
+def preset_key_fields(tiny: TinyModelConfig) -> dict:
+    """The preset's settings that name its cache folder: every field, except the tool-use ones at their default
+    (fields added later join the key only when set, so the folders built before them stay valid)."""
+    fields = dataclasses.asdict(tiny)
+    defaults = TinyModelConfig()
+    for key in ("warm_start_tool_rate", "warm_start_malformed_rate"):
+        if fields[key] == getattr(defaults, key):
+            del fields[key]
+    return fields
 
 
 def check_decoder(model_path: Path, fp32_residual: bool = False) -> None:
@@ -81,7 +98,7 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
     """Tokenizer + model from config + supervised warm start, written atomically to `folder`."""
     from rl_tpu.models.tiny import build_model, build_tokenizer, save_hf_folder
 
-    tokenizer = build_tokenizer(tiny.vocab_size, tiny.split_digits)
+    tokenizer = build_tokenizer(tiny.vocab_size, tiny.split_digits, tool_traces=tiny.warm_start_tool_rate > 0)
     model = build_model(
         len(tokenizer),
         tiny.hidden_size,
@@ -104,6 +121,8 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
             tiny.warm_start_lr,
             tiny.warm_start_teacher_error,
             tiny.seed,
+            tiny.warm_start_tool_rate,
+            tiny.warm_start_malformed_rate,
         )
     tmp = folder.with_name(folder.name + f".partial{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -125,11 +144,15 @@ def warm_start(
     lr: float,
     teacher_error: float,
     seed: int,
+    tool_rate: float = 0.0,
+    malformed_rate: float = 0.0,
 ) -> None:
     """Supervised fine-tuning on `prompt -> " answer<eos>"`: gives GRPO a policy with some reward signal.
 
     With `teacher_error` > 0 that fraction of labels comes from a teacher who forgets to carry, a
-    systematic mistake that only the verifier's reward can reveal to the policy.
+    systematic mistake that only the verifier's reward can reveal to the policy. With `tool_rate` > 0 that
+    fraction of examples are episodes with the calculator (`tool_trace`; the tool's result is context, out of
+    the loss), `malformed_rate` of their calls written so that no parser reads them.
     """
     from rl_tpu.models.logprobs import pad_batch, token_logprobs
 
@@ -144,13 +167,18 @@ def warm_start(
     for step in range(1, steps + 1):
         sample = rng.sample(problems, batch_size)
         prompts = [tokenizer(arithmetic_prompt(a, op, b))["input_ids"] for a, op, b in sample]
-        labels = [
-            answer_without_carry(a, op, b) if rng.random() < teacher_error else ARITHMETIC_OPS[op](a, b)
-            for a, op, b in sample
-        ]
-        answers = [tokenizer(f" {label}")["input_ids"] + [tokenizer.eos_token_id] for label in labels]
-        zeros = [[0.0] * len(a) for a in answers]  # no sampler logprobs or advantages: a supervised step
-        batch = TrainBatch(prompts, answers, zeros, zeros, 1.0)
+        completions, masks = [], []
+        for a, op, b in sample:
+            if tool_rate and rng.random() < tool_rate:  # no draw without tools: the default warm start is unchanged
+                ids, mask = _tool_example(tokenizer, a, op, b, malformed=rng.random() < malformed_rate)
+            else:
+                label = answer_without_carry(a, op, b) if rng.random() < teacher_error else ARITHMETIC_OPS[op](a, b)
+                ids = tokenizer(f" {label}")["input_ids"] + [tokenizer.eos_token_id]
+                mask = [1] * len(ids)
+            completions.append(ids)
+            masks.append(mask)
+        zeros = [[0.0] * len(c) for c in completions]  # no sampler logprobs or advantages: a supervised step
+        batch = TrainBatch(prompts, completions, zeros, zeros, 1.0, model_masks=masks if tool_rate else None)
         t = pad_batch(batch, tokenizer.pad_token_id, torch.device("cpu"))
         log_prob, _ = token_logprobs(model, t, 1.0, with_entropy=False)
         loss = -(log_prob * t["response_mask"]).sum() / t["response_mask"].sum()
@@ -161,3 +189,14 @@ def warm_start(
         optimizer.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == steps:
             log.info("warm start %d/%d: loss %.3f (%.0f s)", step, steps, loss.item(), time.perf_counter() - start)
+
+
+def _tool_example(tokenizer, a: int, op: str, b: int, malformed: bool) -> tuple[list[int], list[int]]:
+    """A calculator episode's ids after the prompt, as the engine and the plain renderer make them, and its mask."""
+    call, result, answer = tool_trace(a, op, b, malformed)
+    call_ids = tokenizer(call)["input_ids"]
+    if malformed:  # the turn ends at the stop string and the episode with it
+        return call_ids, [1] * len(call_ids)
+    result_ids = tokenizer.encode(result, add_special_tokens=False)
+    answer_ids = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
+    return call_ids + result_ids + answer_ids, [1] * len(call_ids) + [0] * len(result_ids) + [1] * len(answer_ids)

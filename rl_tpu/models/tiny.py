@@ -17,23 +17,24 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
-def arithmetic_corpus() -> list[str]:
-    """Every line ``Q: What is {a} {op} {b}? A: {ans}`` for op in + - * and a, b in 0..99 (seed-free)."""
-    from rl_tpu.data.arithmetic import ARITHMETIC_OPS, arithmetic_prompt
+def arithmetic_corpus(tool_traces: bool = False) -> list[str]:
+    """Every line ``Q: What is {a} {op} {b}? A: {ans}`` for op in + - * and a, b in 0..99 (seed-free); with
+    `tool_traces`, also each line's episode with the calculator (`rl_tpu.data.arithmetic.tool_trace`)."""
+    from rl_tpu.data.arithmetic import ARITHMETIC_OPS, arithmetic_prompt, tool_trace
 
-    return [
-        f"{arithmetic_prompt(a, op, b)} {fn(a, b)}"
-        for op, fn in ARITHMETIC_OPS.items()
-        for a in range(100)
-        for b in range(100)
-    ]
+    problems = [(a, op, b) for op in ARITHMETIC_OPS for a in range(100) for b in range(100)]
+    lines = [f"{arithmetic_prompt(a, op, b)} {ARITHMETIC_OPS[op](a, b)}" for a, op, b in problems]
+    if tool_traces:
+        lines += [arithmetic_prompt(a, op, b) + "".join(tool_trace(a, op, b)) for a, op, b in problems]
+    return lines
 
 
-def build_tokenizer(vocab_size: int, split_digits: bool) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int, split_digits: bool, tool_traces: bool = False) -> PreTrainedTokenizerFast:
     """Byte-level BPE with ``<|endoftext|>`` (eos, id 0) and ``<|pad|>`` (pad, id 1).
 
     ``split_digits`` keeps every digit its own token, so the model sees numbers digit by digit
-    (the same number is otherwise one, two or three merged tokens depending on context).
+    (the same number is otherwise one, two or three merged tokens depending on context). ``tool_traces`` trains
+    it on calculator episodes too, so a tool call's fixed text is a few tokens.
     """
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -49,7 +50,7 @@ def build_tokenizer(vocab_size: int, split_digits: bool) -> PreTrainedTokenizerF
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(arithmetic_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(arithmetic_corpus(tool_traces), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD)
 
 

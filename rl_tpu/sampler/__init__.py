@@ -1,6 +1,6 @@
 """The sampler: vLLM engines as Ray actors that make rollouts and take in weight bundles (`engine`),
 and several engines serving as one, restarted in place when one is lost (`pool`).
 
-Never imports the trainer, the grader, the outputs or the controller; may import cluster, models, sync,
+Never imports the trainer, the grader, the outputs or the controller; may import episodes, cluster, models, sync,
 data, config and records.
 """

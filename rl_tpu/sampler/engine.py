@@ -22,6 +22,7 @@ from rl_tpu.cluster.core_loan import EngineActivity
 from rl_tpu.cluster.cores import CpuBinding
 from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.cluster.placement import require_model_on_node, where_am_i
+from rl_tpu.episodes.loop import EpisodeOptions, TurnOutput, TurnRequest, build_runner
 from rl_tpu.models.precision import keep_vllm_residual_fp32
 from rl_tpu.records import Rollout, WeightBundle, WeightSyncError
 from rl_tpu.sync.bundle import check_names
@@ -71,6 +72,42 @@ class EngineOptions:
     enforce_eager: bool = True  # false: vLLM compiles the model (and captures CUDA graphs on GPUs): slower start
     fp32_residual: bool = False  # bf16 on CPU: the residual stream in fp32, as the trainer keeps it
     binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
+    episodes: EpisodeOptions | None = None  # multi-turn episodes with tools; None: one completion per sample
+
+
+def sampling_params(
+    settings: SamplingSettings,
+    n: int,
+    max_tokens: int,
+    seed: int | None,
+    episodes: EpisodeOptions | None = None,
+    stop_token_ids: list[int] | None = None,
+):
+    """vLLM's sampling parameters for one prompt (or one episode's turn: `episodes` and its parser's stop ids)."""
+    from vllm import SamplingParams
+
+    stop = list(episodes.stop) if episodes is not None else []
+    return SamplingParams(
+        n=n,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        max_tokens=max_tokens,
+        logprobs=0 if settings.logprobs else None,
+        seed=seed,
+        stop=stop or None,
+        stop_token_ids=stop_token_ids or None,
+        # rollouts carry token ids; the grader decodes them (saves per-token work). Stop strings need the text.
+        detokenize=bool(stop),
+    )
+
+
+def sampled_tokens(completion, settings: SamplingSettings) -> tuple[list[int], list[float]]:
+    """A completion's token ids and each one's logprob (zeros when none were asked for)."""
+    ids = list(completion.token_ids)
+    if not settings.logprobs:
+        return ids, [0.0] * len(ids)
+    return ids, [step[token].logprob for step, token in zip(completion.logprobs, ids)]
 
 
 class EngineTurns:
@@ -163,59 +200,72 @@ class Sampler:
         self.busy_s = 0.0  # seconds the engine spent generating and installing, since start
         # what the engine holds (fused names included): every install must fill all of it
         self.engine_params = set(self.llm.collective_rpc(engine_parameter_names)[0])
-        if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        if getattr(hf_config, "tie_word_embeddings", False):
             # vLLM's CPU backend repacks the head into storage of its own: a new embedding alone would leave it stale
             self.engine_params.add("lm_head.weight")
+        self.episodes = None
+        if options.episodes is not None:
+            self.episodes = build_runner(options.episodes, self.llm.get_tokenizer(), hf_config.model_type)
 
     def generate(
         self,
         prompts: list[list[int]],
         settings: SamplingSettings,
         seeds: list[int] | None = None,
+        tools_kwargs: list[dict] | None = None,
         after: dict | None = None,
     ) -> list[Rollout]:
-        """`settings.n` completions per prompt, in prompt order; `group` is the prompt's index.
+        """`settings.n` completions (or episodes, when the engine runs them) per prompt, in prompt order; `group`
+        is the prompt's index.
 
         `seeds`, one per prompt, make each prompt's draws independent of the engine's state and of
         which engine serves it: a resumed run, a restarted engine or a different number of engines
-        draws the same tokens. The pool may send the call behind an install it has not waited for,
-        passing that install's ObjectRef as the after argument, which Ray resolves to the install's report
-        before the call runs.
+        draws the same tokens. `tools_kwargs`, one per prompt, are verl's per-row tool arguments (episodes).
+        The pool may send the call behind an install it has not waited for, passing that install's ObjectRef
+        as the after argument, which Ray resolves to the install's report before the call runs.
         """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = [
-            SamplingParams(
-                n=settings.n,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
-                top_k=settings.top_k,
-                max_tokens=settings.max_tokens,
-                logprobs=0 if settings.logprobs else None,
-                seed=seed,
-                detokenize=False,  # rollouts carry token ids; the grader decodes them (saves per-token work)
-            )
-            for seed in (seeds if seeds is not None else [None] * len(prompts))
-        ]
-        with self.activity, self.turns.generation():
-            start = time.perf_counter()
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-            self.busy_s += time.perf_counter() - start
-            version = self.version  # the weights these rollouts came from
+        seeds = seeds if seeds is not None else [None] * len(prompts)
+        if self.episodes is not None:
+            kwargs = tools_kwargs if tools_kwargs is not None else [{}] * len(prompts)
+            generate_turn = lambda requests: self._turn(requests, settings)  # noqa: E731
+            return self.episodes.run(prompts, settings.n, seeds, kwargs, generate_turn)
+        params = [sampling_params(settings, settings.n, settings.max_tokens, seed) for seed in seeds]
+        outputs, version = self._generate(prompts, params)
         rollouts = []
         for group, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
             for completion in output.outputs:
-                ids = list(completion.token_ids)
-                logprobs = (
-                    [step[token].logprob for step, token in zip(completion.logprobs, ids)]
-                    if settings.logprobs
-                    else [0.0] * len(ids)
-                )
+                ids, logprobs = sampled_tokens(completion, settings)
                 rollouts.append(
                     Rollout(list(prompt), ids, logprobs, version, completion.finish_reason or "length", group)
                 )
         return rollouts
+
+    def _turn(self, requests: list[TurnRequest], settings: SamplingSettings) -> list[TurnOutput]:
+        """One model turn of several episodes; the engine is free between turns (an install may go in)."""
+        params = [
+            sampling_params(
+                settings, 1, r.max_tokens, r.seed, self.options.episodes, self.episodes.parser.stop_token_ids
+            )
+            for r in requests
+        ]
+        outputs, version = self._generate([r.ids for r in requests], params)
+        turns = []
+        for output in outputs:
+            completion = output.outputs[0]
+            ids, logprobs = sampled_tokens(completion, settings)
+            turns.append(TurnOutput(ids, logprobs, completion.finish_reason or "length", version))
+        return turns
+
+    def _generate(self, prompts: list[list[int]], params: list) -> tuple[list, int]:
+        """vLLM's outputs, and the weight version that produced them."""
+        from vllm.inputs import TokensPrompt
+
+        with self.activity, self.turns.generation():
+            start = time.perf_counter()
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            self.busy_s += time.perf_counter() - start
+            return outputs, self.version
 
     @ray.method(concurrency_group="weights")
     def install(self, bundle: WeightBundle, resent: bool = False) -> dict[str, float]:
@@ -290,6 +340,8 @@ class Sampler:
         """Release the engine before the actor exits (a lingering engine leaks shared memory)."""
         if hasattr(self, "activity"):
             self.activity.close()
+        if getattr(self, "episodes", None) is not None:
+            self.episodes.tools.close()
         engine = getattr(self, "llm", None)
         if engine is not None:
             engine.llm_engine.engine_core.shutdown()

@@ -129,15 +129,24 @@ class SamplerPool:
         return sum(self.lives.values())
 
     def generate(
-        self, prompts: list[list[int]], settings: SamplingSettings, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        seeds: list[int] | None = None,
+        tools_kwargs: list[dict] | None = None,
     ) -> PendingRollouts:
-        """Each engine generates its share; `seeds` (one per prompt) travel with their prompts.
+        """Each engine generates its share; `seeds` and `tools_kwargs` (one per prompt) travel with their prompts.
 
         Behind an install not waited for yet, each engine's call names that engine's install as an argument, so
         Ray starts it once the install has answered: with the new weights. A call sent again does not."""
         chunks = []
         for engine, part in enumerate(split_evenly(len(prompts), len(self.engines))):
-            args = ([prompts[i] for i in part], settings, [seeds[i] for i in part] if seeds is not None else None)
+            args = (
+                [prompts[i] for i in part],
+                settings,
+                None if seeds is None else [seeds[i] for i in part],
+                None if tools_kwargs is None else [tools_kwargs[i] for i in part],
+            )
             after = self.pending.sent[engine][0] if self.pending else None
             ref = self.engines[engine].generate.remote(*args, after=after)
             chunks.append(Chunk(engine, part, args, ref, self.lives.get(engine, 0), self.version))

@@ -105,7 +105,7 @@ class PolicyUpdate:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / algo.warmup_steps) if algo.warmup_steps else 1.0
         )
-        self.policy_loss = algorithms.PolicyLoss(cfg.actor, cfg.sampler.response_length)
+        self.policy_loss = algorithms.PolicyLoss(cfg.actor, cfg.completion_tokens)
         # bypass_mode is verl's name for a loss whose old logprobs are the sampler's
         bypass = value_of(cfg.actor.policy_loss.loss_mode) == "bypass_mode"
         self.old_logprob_source = "sampler" if bypass else value_of(cfg.actor.old_logprob_source)

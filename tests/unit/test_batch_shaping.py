@@ -81,7 +81,7 @@ class SeededSampler:
         self.calls: list[tuple[list[list[int]], list[int]]] = []
         self.version = 0  # the weights it serves: the test installs step - 1 before each step
 
-    def generate(self, prompts, settings, seeds):
+    def generate(self, prompts, settings, seeds, tools_kwargs=None):
         self.calls.append((prompts, seeds))
         rollouts = [
             Rollout(p, [seed % 2 * i % 2], [0.0], self.version, "stop", g)

@@ -69,6 +69,11 @@ def test_value_checks_name_the_key():
         (["trainer.total_steps=-1"], r"trainer.total_steps=-1 and trainer.eval_pass_k=0 at least 0"),
         (["trainer.eval_pass_k=-2"], r"trainer.eval_pass_k=-2 at least 0 \(total_steps 0: evaluate the model only"),
         (["sync.transport=tpu_sync", "trainer.max_staleness=1"], "tpu_sync with trainer.max_staleness=1: an engine"),
+        (["episode.enable=true"], "episode.enable=true needs episode.tools_config_file or episode.function_tool_path"),
+        (["episode.renderer=jinja"], "episode.renderer='jinja': allowed values are auto, chat, plain"),
+        (["episode.reward=both"], "episode.reward='both': allowed values are plugin, tools, sum"),
+        (["episode.max_turns=0"], "episode.max_turns=0 must be >= 1"),
+        (["episode.tool_response_format=no placeholder"], "must contain {result}"),
     ],
 )
 def test_algorithm_settings_are_checked_at_start(overrides, message):

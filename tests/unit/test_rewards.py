@@ -29,6 +29,11 @@ GSM8K_FIXTURE = REPO / "tests" / "fixtures" / "gsm8k" / "test.jsonl"
         (" 4 2", "42", 0.0),
         (" 042", "42", 1.0),
         (" 12 13", "13", 0.0),
+        # episodes with the calculator: the answer follows the last tool result; calls are not answers
+        (' <tool_call>{"expression": "47*1"}</tool_call>\n<tool_response>\n47\n</tool_response>\n 47', "47", 1.0),
+        (' <tool_call>{"expression": "47*1"}</tool_call>\n<tool_response>\n47\n</tool_response>\n 46', "47", 0.0),
+        (' <tool_call>{"expression": "47*1"}</tool_call>', "47", 0.0),
+        (' <tool_call>{"expression": "47*1"', "47", 0.0),
     ],
 )
 def test_arithmetic_reward_reads_the_first_integer(completion, truth, expected):

@@ -9,40 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import free_port, make_batch
-from torch.distributed.tensor import DTensor
-
-from rl_tpu.config import RunConfig
-from rl_tpu.models.hf import hf_name
-from rl_tpu.trainer.worker import TrainerWorker
-
-
-def one_step(model_dir, batch, dtype: str = "float32", **trainer) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The metrics of one train step and the (clipped) gradients the optimizer was given, in fp32; prompts are
-    run with their completions, and every row is run, unless the call asks for `share_prompts` or
-    `skip_zero_advantage_rows`."""
-    cfg = RunConfig()
-    cfg.device, cfg.model.dtype, cfg.trainer.micro_batch_size = "cpu", dtype, 4
-    cfg.trainer.share_prompts = cfg.trainer.skip_zero_advantage_rows = False
-    for key, value in trainer.items():
-        setattr(cfg.trainer, key, value)
-    threads = torch.get_num_threads()
-    worker = TrainerWorker(cfg, str(model_dir), 0, 1, "127.0.0.1", free_port())
-    grads: dict[str, torch.Tensor] = {}
-    step = worker.optimizer.step
-
-    def capture(*args, **kwargs):
-        for name, param in worker.model.named_parameters():
-            grad = param.grad  # a DTensor where FSDP shards the model (bf16), else a plain tensor
-            grads[hf_name(name)] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).float().clone()
-        return step(*args, **kwargs)
-
-    worker.optimizer.step = capture
-    try:
-        return worker.train_step(batch), grads
-    finally:
-        worker.shutdown()
-        torch.set_num_threads(threads)
+from conftest import make_batch, one_step
 
 
 @pytest.fixture(scope="module")

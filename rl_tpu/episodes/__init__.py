@@ -1,0 +1,15 @@
+"""Episodes: multi-turn rollouts in which the model calls tools and reads their results.
+
+    prompt ids --> engine turn (model ids, logprobs, version) --> tool-call parser (verl's, by name)
+        ^                                                               |  calls
+        |   environment ids (mask 0), rendered by the chat template     v
+        +---------------------------------------------- tool workers (verl BaseTool / @function_tool)
+
+The turn loop (`loop`) is engine-agnostic: the sampler hands it a function that runs one turn for every live
+episode at once. Tools run in worker processes with deadlines and limits (`tools`, `tool_worker`), as reward
+plugins do; a tool that hangs, raises or returns garbage fails that call, counted, never the run. The
+environment's tokens are appended as ids (`render`), never by decoding and re-encoding the model's turn.
+
+Never imports a role (trainer, sampler, grader), the outputs or the controller; may import cluster, models,
+config and records.
+"""

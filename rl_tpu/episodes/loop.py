@@ -1,0 +1,240 @@
+"""The turn loop: every live episode of a batch goes to the engine together at each turn, their tool calls run
+together, and each episode's environment tokens are appended to the ids the engine produced.
+
+An episode ends when its model turn calls no tool, after `max_turns` model turns (a turn that still calls tools
+then is cut: truncated "max_turns"), or when its tokens after the prompt reach `max_tokens` (truncated
+"max_tokens"; a tool result that would not leave room for one more model token is not appended, so an episode
+always ends on the model's tokens, where the outcome reward sits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rl_tpu.episodes.render import Renderer, make_renderer
+from rl_tpu.episodes.tool_worker import ToolCall
+from rl_tpu.episodes.tools import ToolBox, ToolSettings
+from rl_tpu.records import EpisodeStats, Rollout
+
+MODEL_ERRORS = ("unknown_tool", "bad_arguments")  # failed calls that are the model's fault
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int  # model turns
+    max_tokens: int  # model and environment tokens after the prompt
+    turn_tokens: int  # new tokens per model turn (sampler.response_length)
+    max_model_len: int  # the engine's context
+    max_parallel_calls: int = 1  # calls of one turn that run; the rest are dropped and counted malformed
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    ids: list[int]  # the whole context: prompt, then every turn so far
+    max_tokens: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class TurnOutput:
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+    version: int  # the weights that sampled it
+
+
+def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:
+    """One episode's draws at one turn: fixed by its prompt's seed, so a resumed run draws them again."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{sample}:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+class ToolCallParser:
+    """verl's tool-call parser chosen by name (`hermes`, `qwen3_coder`, `gpt-oss`, ...), plus a count of blocks it
+    dropped (verl's parsers skip a block they cannot read)."""
+
+    def __init__(self, name: str, tokenizer: Any):
+        from verl.experimental.agent_loop.tool_parser import ToolParser
+
+        known = sorted(ToolParser._registry)
+        if name not in known:
+            raise ValueError(f"episode.tool_parser={name!r}: allowed values are {', '.join(known)}")
+        self.parser = ToolParser.get_tool_parser(name, tokenizer)
+        self.tokenizer = tokenizer
+        self.start_marker = getattr(self.parser, "tool_call_start_token", None)
+        self.loop = asyncio.new_event_loop()
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.parser.stop_token_ids)
+
+    def parse(self, ids: list[int]) -> tuple[list[tuple[str, str]], int]:
+        """The turn's calls as (name, JSON arguments), and how many call blocks could not be read."""
+        _, calls = self.loop.run_until_complete(self.parser.extract_tool_calls(ids))
+        blocks = self.tokenizer.decode(ids).count(self.start_marker) if self.start_marker else len(calls)
+        return [(c.name, c.arguments) for c in calls], max(0, blocks - len(calls))
+
+
+@dataclass
+class Episode:
+    prompt_ids: list[int]
+    seed: int | None
+    sample: int  # its index among its prompt's samples
+    group: int
+    tools_kwargs: dict
+    ids: list[int] = field(default_factory=list)  # after the prompt
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    stats: EpisodeStats = field(default_factory=lambda: EpisodeStats(turns=0))
+    finish_reason: str = "stop"
+    done: bool = False
+    pending_calls: list[tuple[str, str]] = field(default_factory=list)  # this turn's calls, (name, JSON arguments)
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    def add_model_turn(self, turn: TurnOutput) -> None:
+        self.ids += turn.ids
+        self.logprobs += turn.logprobs
+        self.mask += [1] * len(turn.ids)
+        self.versions.append(turn.version)
+        self.stats.turns += 1
+        self.finish_reason = turn.finish_reason
+
+    def add_environment(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+        self.stats.env_tokens += len(ids)
+
+    def end(self, truncated: str | None = None) -> None:
+        self.done = True
+        if truncated:
+            self.stats.truncated, self.finish_reason = truncated, "length"
+
+    def rollout(self) -> Rollout:
+        return Rollout(
+            self.prompt_ids,
+            self.ids,
+            self.logprobs,
+            min(self.versions),
+            self.finish_reason,
+            self.group,
+            self.mask,
+            self.stats,
+        )
+
+
+class EpisodeRunner:
+    """Runs a batch of episodes on one engine, given how to run one turn of several episodes."""
+
+    def __init__(self, limits: EpisodeLimits, parser: ToolCallParser, tools: ToolBox, renderer: Renderer):
+        self.limits, self.parser, self.tools, self.renderer = limits, parser, tools, renderer
+
+    def run(
+        self,
+        prompts: list[list[int]],
+        samples: int,
+        seeds: list[int | None],
+        tools_kwargs: list[dict],
+        generate: Callable[[list[TurnRequest]], list[TurnOutput]],
+    ) -> list[Rollout]:
+        """`samples` episodes per prompt, in prompt order (each prompt's `group` its index)."""
+        episodes = [
+            Episode(list(prompt), seed, sample, group, kwargs)
+            for group, (prompt, seed, kwargs) in enumerate(zip(prompts, seeds, tools_kwargs, strict=True))
+            for sample in range(samples)
+        ]
+        while live := [e for e in episodes if not e.done]:
+            live = self._model_turn(live, generate)
+            self._tool_turn(live)
+        return [e.rollout() for e in episodes]
+
+    def _model_turn(self, live: list[Episode], generate) -> list[Episode]:
+        """One turn of every live episode; returns those whose turn called tools that will run."""
+        limits, asking, requests = self.limits, [], []
+        for episode in live:
+            budget = min(
+                limits.turn_tokens,
+                limits.max_tokens - len(episode.ids),
+                limits.max_model_len - len(episode.prompt_ids) - len(episode.ids),
+            )
+            if budget <= 0:
+                episode.end("max_tokens")
+                continue
+            asking.append(episode)
+            requests.append(
+                TurnRequest(episode.context(), budget, turn_seed(episode.seed, episode.sample, episode.stats.turns))
+            )
+        calling = []
+        for episode, turn in zip(asking, generate(requests) if requests else [], strict=True):
+            episode.add_model_turn(turn)
+            calls, malformed = self.parser.parse(turn.ids)
+            episode.stats.malformed_calls += malformed + max(0, len(calls) - limits.max_parallel_calls)
+            episode.pending_calls = calls[: limits.max_parallel_calls]
+            if not episode.pending_calls:
+                at_budget = turn.finish_reason == "length" and len(episode.ids) >= limits.max_tokens
+                episode.end("max_tokens" if at_budget else None)
+            elif episode.stats.turns >= limits.max_turns:
+                episode.end("max_turns")
+            else:
+                calling.append(episode)
+        return calling
+
+    def _tool_turn(self, calling: list[Episode]) -> None:
+        calls = [
+            ToolCall(name, arguments, e.tools_kwargs.get(name, {}).get("create_kwargs", {}))
+            for e in calling
+            for name, arguments in e.pending_calls
+        ]
+        results, seconds = self.tools.run(calls)
+        start = 0
+        for episode in calling:
+            mine = results[start : start + len(episode.pending_calls)]
+            start += len(mine)
+            for (name, _), result in zip(episode.pending_calls, mine):
+                if result.failure in MODEL_ERRORS:  # the model's mistake, not the tool's: the call was malformed
+                    episode.stats.malformed_calls += 1
+                    continue
+                episode.stats.tool_calls[name] = episode.stats.tool_calls.get(name, 0) + 1
+                if result.failure:
+                    episode.stats.tool_failures[name] = episode.stats.tool_failures.get(name, 0) + 1
+                episode.stats.tool_reward += result.reward
+            episode.stats.tool_s += seconds
+            ids = self.renderer.environment_ids(episode.context(), episode.pending_calls, [r.text for r in mine])
+            if len(episode.ids) + len(ids) >= self.limits.max_tokens:
+                episode.end("max_tokens")  # no room for the model to read the result and answer
+            else:
+                episode.add_environment(ids)
+
+
+@dataclass(frozen=True)
+class EpisodeOptions:
+    """What an engine needs to run episodes (from the `episode` config section)."""
+
+    limits: EpisodeLimits
+    tools: ToolSettings
+    tool_parser: str = "hermes"
+    renderer: str = "auto"  # auto | chat | plain
+    tool_response_format: str = "\n<tool_response>\n{result}\n</tool_response>\n"  # plain renderer
+    stop: tuple[str, ...] = ()  # strings that end a model turn (kept in its ids)
+
+
+def build_runner(options: EpisodeOptions, tokenizer: Any, model_type: str | None) -> EpisodeRunner:
+    """The parser, the tool workers and the renderer of one engine."""
+    parser = ToolCallParser(options.tool_parser, tokenizer)
+    tools = ToolBox(options.tools)
+    try:
+        renderer = make_renderer(
+            options.renderer, tokenizer, options.tool_response_format, model_type, list(tools.schemas.values())
+        )
+    except Exception:
+        tools.close()
+        raise
+    return EpisodeRunner(options.limits, parser, tools, renderer)
