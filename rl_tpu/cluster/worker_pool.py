@@ -138,10 +138,20 @@ class WorkerPool:
         """What the workers' ready message said (the same for every worker)."""
         return self.workers[0].detail
 
-    def run(self, items: list, batched: bool, failed: Callable[[str, str], Any], shares_per_worker: int = 4) -> list:
+    def run(
+        self,
+        items: list,
+        batched: bool,
+        failed: Callable[[str, str], Any],
+        shares_per_worker: int = 4,
+        give_up: Callable[[list], bool] | None = None,
+    ) -> list:
         """Every item's outcome, in order. `failed(kind, message)` is the outcome of an item whose worker timed out
         ("timeout") or died ("crash"). Batched workers get one share each and a deadline per item in it; the others
-        get small shares (`shares_per_worker` each), so that the load balances, and answer item by item."""
+        get small shares (`shares_per_worker` each), so that the load balances, and answer item by item.
+
+        `give_up(outcomes)`, asked as answers arrive (None where there is none yet), stops the run early: the busy
+        workers are replaced and every item without an answer gets `failed("cancelled", ...)`."""
         outcomes: list = [None] * len(items)
         shares = len(self.workers) * (1 if batched else shares_per_worker)
         size = max(1, math.ceil(len(items) / shares))
@@ -171,7 +181,19 @@ class WorkerPool:
             for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline]:
                 timeout = failed("timeout", f"no answer within {self.timeout_s:g} s")
                 done += self._lose(worker, outcomes, queue, batched, timeout)
+            if give_up is not None and done < len(items) and give_up(outcomes):
+                self._cancel(outcomes, failed("cancelled", "not run: the batch was given up"))
+                break
         return outcomes
+
+    def _cancel(self, outcomes: list, outcome: Any) -> None:
+        for worker in [w for w in self.workers if w.in_flight]:
+            worker.in_flight = deque()
+            self._stop(worker, kill=True)
+            self.workers[self.workers.index(worker)] = self._spawn()
+        for position, current in enumerate(outcomes):
+            if current is None:
+                outcomes[position] = outcome
 
     def close(self) -> None:
         for worker in self.workers:

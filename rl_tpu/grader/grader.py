@@ -176,7 +176,14 @@ class Grader:
 
     def grade(self, samples: list[Sample]) -> Grades:
         start = time.perf_counter()
-        outcomes = self.pool.run(samples, self.batched, lambda kind, message: ("fail", self.describe(), kind, message))
+        outcomes = self.pool.run(
+            samples,
+            self.batched,
+            lambda kind, message: ("fail", self.describe(), kind, message),
+            give_up=lambda outcomes: self._too_many(
+                sum(o is not None and o[0] == "fail" for o in outcomes), len(outcomes)
+            ),
+        )
         grades = self._collect(outcomes)
         grades.seconds = time.perf_counter() - start
         self._report(grades, samples)
@@ -208,8 +215,15 @@ class Grader:
             scores.append(sum(self.weights[label] * value for label, value in scored.items()))
         return Grades(scores, components, extras, failures)
 
+    def _too_many(self, failures: int, samples: int) -> bool:
+        """More than `reward.max_failure_rate` of the batch failed: judged as results arrive, so that a plugin that
+        hangs stops the run after a few timeouts, not after the whole batch has timed out."""
+        return failures > self.max_failure_rate * samples
+
     def _report(self, grades: Grades, samples: list[Sample]) -> None:
-        for failure in grades.failures:
+        cancelled = sum(f.kind == "cancelled" for f in grades.failures)
+        failures = [f for f in grades.failures if f.kind != "cancelled"]
+        for failure in failures:
             index = samples[failure.index].extra_info.get("index", "?")
             last_line = failure.message.strip().splitlines()[-1] if failure.message.strip() else failure.kind
             log.warning(
@@ -220,11 +234,12 @@ class Grader:
                 failure.kind,
                 last_line,
             )
-        if grades.failures and len(grades.failures) > self.max_failure_rate * len(samples):
-            first = grades.failures[0]
+        if failures and self._too_many(len(failures), len(samples)):
+            first = failures[0]
             where = self.locations.get(first.reward, ", ".join(self.locations.values()))
+            stopped = f" ({cancelled} more not scored: the batch was stopped there)" if cancelled else ""
             raise RewardError(
-                f"reward {first.reward} ({where}): {len(grades.failures)} of {len(samples)} samples failed to score, more than "
-                f"reward.max_failure_rate={self.max_failure_rate:g}; first failure (sample {first.index}, "
+                f"reward {first.reward} ({where}): {len(failures)} of {len(samples)} samples failed to score{stopped}, "
+                f"more than reward.max_failure_rate={self.max_failure_rate:g}; first failure (sample {first.index}, "
                 f"{first.kind}):\n{first.message}"
             )

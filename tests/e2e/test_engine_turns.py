@@ -94,7 +94,7 @@ class InstallingEngine:
     def __init__(self):
         self.version = 0
 
-    def generate(self, prompts, settings, seeds=None, after=None) -> list:
+    def generate(self, prompts, settings, seeds=None, tools_kwargs=None, after=None) -> list:
         from rl_tpu.records import Rollout
 
         return [Rollout(p, [1], [0.0], self.version, "stop", g) for g, p in enumerate(prompts)]

@@ -106,6 +106,23 @@ def test_too_many_failures_stop_the_run_naming_the_plugin_and_traceback(plugin):
         grader.close()
 
 
+def test_a_hung_plugin_stops_the_run_as_soon_as_the_failure_rate_cannot_be_met(plugin):
+    """64 samples that hang, 1 s each, on two workers: the whole batch would take 32 s; the rate (10%: 6 allowed)
+    is broken at the 7th timeout, about 4 s in. The pool is replaced and serves the next batch."""
+    grader = grader_for(plugin, timeout_s=1.0, max_failure_rate=0.1)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardError) as err:
+            grader.grade(samples(["sleep"] * 64))
+        assert time.monotonic() - start < 15
+        text = str(err.value)
+        assert "my_reward.py:compute_score" in text and "of 64 samples failed to score (" in text
+        assert "more not scored: the batch was stopped there" in text and "timeout" in text
+        assert grader.grade(samples(["a"] * 4)).scores == [1.0] * 4
+    finally:
+        grader.close()
+
+
 def test_dict_results_log_their_numeric_fields(plugin):
     grader = grader_for(plugin)
     try:
