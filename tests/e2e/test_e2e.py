@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -392,4 +393,7 @@ def test_a_failing_plugin_stops_the_run_with_its_name_and_traceback(tmp_path):
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     assert "RewardError" in result.stderr and f"{plugin}:compute_score" in result.stderr
-    assert "16 of 16 samples failed to score" in result.stderr and "KeyError: 'answer_field'" in result.stderr
+    # judged as results arrive: it stops once more than 10% of the 16 failed, the rest not scored
+    assert (
+        re.search(r"\d+ of 16 samples failed to score", result.stderr) and "KeyError: 'answer_field'" in result.stderr
+    )
