@@ -179,12 +179,10 @@ def returns_freed_memory(trainer: TrainerConfig, model_path: Path) -> bool:
     return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors")) >= 256 * 2**20
 
 
-def episode_options(cfg: RunConfig, max_model_len: int) -> EpisodeOptions | None:
-    """What each engine needs to run episodes (`episode.enable`), else None."""
+def tool_settings(cfg: RunConfig) -> ToolSettings:
+    """The episode's tools and their workers' limits, the tool files' paths made absolute."""
     e = cfg.episode
-    if not e.enable:
-        return None
-    tools = ToolSettings(
+    return ToolSettings(
         e.tools_config_file and str(Path(e.tools_config_file).expanduser().resolve()),
         e.function_tool_path and str(Path(e.function_tool_path).expanduser().resolve()),
         e.tool_workers,
@@ -194,10 +192,17 @@ def episode_options(cfg: RunConfig, max_model_len: int) -> EpisodeOptions | None
         e.tool_response_truncate_side,
         tuple(cfg.reward.pass_env),
     )
+
+
+def episode_options(cfg: RunConfig, max_model_len: int) -> EpisodeOptions | None:
+    """What each engine needs to run episodes (`episode.enable`), else None."""
+    e = cfg.episode
+    if not e.enable:
+        return None
     limits = EpisodeLimits(
         e.max_turns, cfg.completion_tokens, cfg.sampler.response_length, max_model_len, e.max_parallel_calls
     )
-    return EpisodeOptions(limits, tools, e.tool_parser, e.renderer, e.tool_response_format, tuple(e.stop))
+    return EpisodeOptions(limits, tool_settings(cfg), e.tool_parser, e.renderer, e.tool_response_format, tuple(e.stop))
 
 
 def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:

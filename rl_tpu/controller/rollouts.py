@@ -8,7 +8,6 @@ saved with each checkpoint, so that a resumed run draws the same prompts next.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import statistics
 import time
 from collections import deque
@@ -20,7 +19,7 @@ from rl_tpu.config import RunConfig
 from rl_tpu.controller import batch_shaping
 from rl_tpu.controller.actors import Workers
 from rl_tpu.controller.batch_shaping import GradedBatch
-from rl_tpu.data.datasets import Example
+from rl_tpu.data.datasets import Example, derived_seed
 from rl_tpu.grader.grader import Grader, Grades, Sample
 from rl_tpu.records import Rollout
 from rl_tpu.sampler.engine import SamplingSettings
@@ -30,8 +29,7 @@ from rl_tpu.sampler.pool import PendingRollouts
 def sampling_seed(seed: int, batch: int, prompt: int) -> int:
     """The seed of one prompt's draws in one generation batch: fixed by the run's seed alone, so a resumed run
     repeats them. Without dynamic sampling the batch number is the step."""
-    digest = hashlib.blake2b(f"{seed}:{batch}:{prompt}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+    return derived_seed(seed, batch, prompt)
 
 
 def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig, batch: int) -> PendingRollouts:

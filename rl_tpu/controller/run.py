@@ -27,7 +27,7 @@ from rl_tpu.cluster import placement
 from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
 from rl_tpu.controller import evaluation
-from rl_tpu.controller.actors import Workers, episode_options, start_workers
+from rl_tpu.controller.actors import Workers, start_workers, tool_settings
 from rl_tpu.controller.checks import validate
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
 from rl_tpu.controller.rollouts import RolloutQueue
@@ -175,10 +175,9 @@ def load_datasets(cfg: RunConfig, cache_dir: Path, tokenizer) -> tuple[list[Exam
 def tool_schemas(cfg: RunConfig) -> list[dict] | None:
     """The episode's tools, loaded once in a worker process before Ray starts (a tool that cannot load fails
     now, naming its file): their schemas, which a chat template puts in the prompt. None without episodes."""
-    options = episode_options(cfg, max_model_len=0)
-    if options is None:
+    if not cfg.episode.enable:
         return None
-    toolbox = ToolBox(dataclasses.replace(options.tools, num_workers=1))
+    toolbox = ToolBox(dataclasses.replace(tool_settings(cfg), num_workers=1))
     try:
         return list(toolbox.schemas.values())
     finally:

@@ -6,6 +6,7 @@ A row is verl's: ``data_source``, ``prompt`` (chat messages), ``ability``,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -278,6 +279,13 @@ def load_examples(
             f"data.max_prompt_length={cfg.max_prompt_length})"
         )
     return examples
+
+
+def derived_seed(*parts: int) -> int:
+    """A 31-bit seed fixed by `parts` alone (a hash of their text), the same on any host and in a resumed run:
+    the draws of one prompt in one generation batch, of one episode's turn."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 def batches(examples: Sequence[Example], batch_size: int, seed: int) -> Iterator[list[Example]]:

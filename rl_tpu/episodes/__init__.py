@@ -10,6 +10,6 @@ episode at once. Tools run in worker processes with deadlines and limits (`tools
 plugins do; a tool that hangs, raises or returns garbage fails that call, counted, never the run. The
 environment's tokens are appended as ids (`render`), never by decoding and re-encoding the model's turn.
 
-Never imports a role (trainer, sampler, grader), the outputs or the controller; may import cluster, models,
+Never imports a role (trainer, sampler, grader), the outputs or the controller; may import cluster, models, data,
 config and records.
 """

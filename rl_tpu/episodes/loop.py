@@ -10,16 +10,14 @@ always ends on the model's tokens, where the outcome reward sits).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rl_tpu.data.datasets import derived_seed
 from rl_tpu.episodes.render import Renderer, make_renderer
 from rl_tpu.episodes.tool_worker import ToolCall
-from rl_tpu.episodes.tools import ToolBox, ToolSettings
+from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolSettings
 from rl_tpu.records import EpisodeStats, Rollout
-
-MODEL_ERRORS = ("unknown_tool", "bad_arguments")  # failed calls that are the model's fault
 
 
 @dataclass(frozen=True)
@@ -48,10 +46,7 @@ class TurnOutput:
 
 def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:
     """One episode's draws at one turn: fixed by its prompt's seed, so a resumed run draws them again."""
-    if seed is None:
-        return None
-    digest = hashlib.blake2b(f"{seed}:{sample}:{turn}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+    return None if seed is None else derived_seed(seed, sample, turn)
 
 
 class ToolCallParser:
@@ -220,10 +215,10 @@ class EpisodeOptions:
 
     limits: EpisodeLimits
     tools: ToolSettings
-    tool_parser: str = "hermes"
-    renderer: str = "auto"  # auto | chat | plain
-    tool_response_format: str = "\n<tool_response>\n{result}\n</tool_response>\n"  # plain renderer
-    stop: tuple[str, ...] = ()  # strings that end a model turn (kept in its ids)
+    tool_parser: str
+    renderer: str  # auto | chat | plain
+    tool_response_format: str  # plain renderer
+    stop: tuple[str, ...]  # strings that end a model turn (kept in its ids)
 
 
 def build_runner(options: EpisodeOptions, tokenizer: Any, model_type: str | None) -> EpisodeRunner:

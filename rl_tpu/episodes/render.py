@@ -23,8 +23,6 @@ class Renderer(Protocol):
 
 class PlainRenderer:
     def __init__(self, tokenizer: Any, response_format: str):
-        if "{result}" not in response_format:
-            raise ValueError(f"episode.tool_response_format={response_format!r} must contain {{result}}")
         self.tokenizer, self.response_format = tokenizer, response_format
 
     def environment_ids(self, runtime_ids: list[int], calls: list[tuple[str, str]], results: list[str]) -> list[int]:

@@ -20,6 +20,9 @@ from rl_tpu.episodes.tool_worker import ToolCall, ToolSources
 log = logging.getLogger(__name__)
 
 
+MODEL_ERRORS = ("unknown_tool", "bad_arguments")  # failed calls that are the model's fault, not the tool's
+
+
 class ToolError(RuntimeError):
     """The tools could not be loaded."""
 
@@ -58,13 +61,13 @@ def truncate(text: str, limit: int, side: str) -> str:
 def failure_text(call: ToolCall, kind: str, message: str) -> str:
     """What the model reads for a failed call: one line, not a traceback."""
     last = message.strip().splitlines()[-1] if message.strip() else kind
-    if kind in ("unknown_tool", "bad_arguments"):
+    if kind in MODEL_ERRORS:
         return last
     return f"Error executing tool {call.name!r}: {last}"
 
 
 def tool_environment(settings: ToolSettings) -> dict[str, str]:
-    """A reward worker's environment, with the folders of the tools YAML and the function-tool file first on the
+    """The reward workers' environment, with the folders of the tools YAML and the function-tool file first on the
     import path: a tool module beside them is found by its name, as verl finds one on the trainer's path."""
     env = worker_environment(list(settings.pass_env))
     folders = [str(Path(f).parent) for f in (settings.config_file, settings.function_tool_path) if f]
@@ -105,8 +108,9 @@ class ToolBox:
                 )
                 continue
             _, kind, message = outcome
-            log.warning("tool %s failed (%s): %s", call.name, kind, message.strip().splitlines()[-1:] or kind)
-            results.append(ToolResult(failure_text(call, kind, message), 0.0, kind))
+            text = failure_text(call, kind, message)
+            log.warning("tool %s failed (%s): %s", call.name, kind, text)
+            results.append(ToolResult(text, 0.0, kind))
         return results, time.perf_counter() - start
 
     def close(self) -> None:

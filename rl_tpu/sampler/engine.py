@@ -80,13 +80,12 @@ def sampling_params(
     n: int,
     max_tokens: int,
     seed: int | None,
-    episodes: EpisodeOptions | None = None,
+    stop: tuple[str, ...] = (),
     stop_token_ids: list[int] | None = None,
 ):
-    """vLLM's sampling parameters for one prompt (or one episode's turn: `episodes` and its parser's stop ids)."""
+    """vLLM's sampling parameters for one prompt (or one episode's turn, with its stop strings and ids)."""
     from vllm import SamplingParams
 
-    stop = list(episodes.stop) if episodes is not None else []
     return SamplingParams(
         n=n,
         temperature=settings.temperature,
@@ -95,7 +94,7 @@ def sampling_params(
         max_tokens=max_tokens,
         logprobs=0 if settings.logprobs else None,
         seed=seed,
-        stop=stop or None,
+        stop=list(stop) or None,
         stop_token_ids=stop_token_ids or None,
         # rollouts carry token ids; the grader decodes them (saves per-token work). Stop strings need the text.
         detokenize=bool(stop),
@@ -245,7 +244,7 @@ class Sampler:
         """One model turn of several episodes; the engine is free between turns (an install may go in)."""
         params = [
             sampling_params(
-                settings, 1, r.max_tokens, r.seed, self.options.episodes, self.episodes.parser.stop_token_ids
+                settings, 1, r.max_tokens, r.seed, self.options.episodes.stop, self.episodes.parser.stop_token_ids
             )
             for r in requests
         ]
