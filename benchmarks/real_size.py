@@ -139,16 +139,21 @@ def measure(cfg: RunConfig, run_dir: Path, warmup: int) -> dict:
     }
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, prompts: int, n: int, new_tokens: int, steps: int) -> None:
+    """The workload's options (`run_config` reads them), with a script's defaults for its size."""
+    parser.add_argument("--gsm8k", type=Path, default=REPO.parent / "shared" / "data" / "gsm8k")
+    parser.add_argument("--prompts", type=int, default=prompts)
+    parser.add_argument("--n", type=int, default=n)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gsm8k", type=Path, default=REPO.parent / "shared" / "data" / "gsm8k")
+    add_workload_arguments(parser, prompts=8, n=4, new_tokens=128, steps=3)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "real_size.json")
     args = parser.parse_args()
     # Inherited by the local Ray cluster's workers: glibc's per-thread malloc arenas hold on to freed

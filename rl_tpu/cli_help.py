@@ -107,7 +107,12 @@ def recipes() -> list[tuple[str, str]]:
 
 def help_text() -> str:
     comments = {}
-    for module in (config, config.episode, config.tiny):  # the schema's modules: the sections in files of their own
+    for module in (
+        config,
+        config.episode,
+        config.lora,
+        config.tiny,
+    ):  # the schema's modules: the sections in files of their own
         comments.update(field_comments(inspect.getsource(module)))
     lines = [USAGE, "recipes (+recipe=NAME):"]
     lines += [f"  {name:<20} {what}" for name, what in recipes()]

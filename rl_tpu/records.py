@@ -174,6 +174,10 @@ class WeightBundle:
     transport: str
     buckets: tuple[Bucket, ...]
     num_bytes: int
+    # a LoRA adapter's bundle: its `adapter_config.json` content (None: the buckets hold the full weights), and
+    # the checksum of the base it applies to, which every engine compares with the base it serves
+    adapter: dict | None = None
+    base_checksum: str | None = None
 
     @property
     def names(self) -> list[str]:
@@ -190,4 +194,8 @@ class WeightBundle:
                 f"the trainer ranks' parts of a weight bundle do not fit together: versions "
                 f"{[p.version for p in parts]}, buckets {[[b.index for b in p.buckets] for p in parts]}"
             )
-        return cls(parts[0].version, parts[0].transport, buckets, sum(p.num_bytes for p in parts))
+        # a LoRA adapter's config and base checksum travel with rank 0's part
+        lead = next((p for p in parts if p.base_checksum is not None), parts[0])
+        return cls(
+            lead.version, lead.transport, buckets, sum(p.num_bytes for p in parts), lead.adapter, lead.base_checksum
+        )

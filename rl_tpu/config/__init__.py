@@ -29,6 +29,7 @@ from rl_tpu.config.choices import (
     value_of,
 )
 from rl_tpu.config.episode import EpisodeConfig
+from rl_tpu.config.lora import LoraConfig
 from rl_tpu.config.tiny import TinyModelConfig
 
 if TYPE_CHECKING:  # torch is imported only where a dtype is asked for: `rl-tpu --help` stays quick
@@ -157,10 +158,12 @@ class ActorConfig:
     # importance weights pi_trainer / pi_sampler, truncated (TIS): they correct stale or bf16 rollouts
     rollout_is: RolloutIS = RolloutIS.auto
     rollout_is_threshold: float = 2.0  # importance weights are truncated at this (TIS)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters on a frozen base (off at lora_rank 0)
 
     def __post_init__(self) -> None:
         if self.rollout_is_threshold <= 1.0:
             raise ValueError(f"actor.rollout_is_threshold={self.rollout_is_threshold} must be > 1")
+        self.lora.__post_init__()
 
 
 @dataclass
@@ -405,6 +408,16 @@ class RunConfig:
         """Every section's own checks again (they run when a section is made; a program may have changed it)."""
         for section in (self.data, self.sampler, self.episode, self.actor, self.trainer, self.reward):
             section.__post_init__()
+
+    @property
+    def lora_sync(self) -> str | None:
+        """What a LoRA policy's weight sync sends (None: no LoRA): `actor.lora.sync`, where auto is the adapter
+        except on TPU, whose engine plugin was not tried with adapters (merged weights there)."""
+        lora = self.actor.lora
+        if not lora.enabled:
+            return None
+        on_tpu = value_of(self.device) == "tpu" or value_of(self.sync.transport) == "tpu_sync"
+        return lora.sync if lora.sync != "auto" else ("merged" if on_tpu else "adapter")
 
     @property
     def completion_tokens(self) -> int:

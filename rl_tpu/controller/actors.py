@@ -27,6 +27,7 @@ from rl_tpu.config import RunConfig, TrainerConfig, value_of
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeOptions
 from rl_tpu.episodes.tools import ToolSettings
 from rl_tpu.records import TrainBatch, WeightBundle
+from rl_tpu.sampler.adapters import AdapterServing
 from rl_tpu.sampler.engine import EngineOptions, launch_sampler
 from rl_tpu.sampler.pool import EngineRecovery, SamplerPool
 from rl_tpu.trainer.worker import TrainerWorker
@@ -205,6 +206,14 @@ def episode_options(cfg: RunConfig, max_model_len: int) -> EpisodeOptions | None
     return EpisodeOptions(limits, tool_settings(cfg), e.tool_parser, e.renderer, e.tool_response_format, tuple(e.stop))
 
 
+def adapter_serving(cfg: RunConfig) -> AdapterServing | None:
+    """How each engine serves a LoRA policy sent as adapters (`cfg.lora_sync`), else None: the adapters of the
+    staleness window stay loaded."""
+    if cfg.lora_sync != "adapter":
+        return None
+    return AdapterServing(cfg.actor.lora.engine_max_rank, cfg.trainer.max_staleness + 1)
+
+
 def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
     plan, s = workers.reservation.plan, cfg.sampler
     memory = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if plan.layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
@@ -220,6 +229,7 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
             cfg.model.fp32_residual,
             binding,
             episode_options(cfg, max_len),
+            adapter_serving(cfg),
         )
         ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
         workers.samplers.engines.append(

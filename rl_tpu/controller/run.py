@@ -44,6 +44,11 @@ from rl_tpu.outputs.metrics import MetricsLogger, final_accuracy
 
 log = logging.getLogger(__name__)
 
+LORA_SENDS = {
+    "adapter": "the adapter, served by vLLM's LoRA support",
+    "merged": "the base with the adapter merged in (actor.lora.sync=merged, or a TPU engine: adapters not tried there)",
+}
+
 
 def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
     d = cfg.data
@@ -147,7 +152,9 @@ def train(job: Job, restarted: bool) -> None:
         workers.samplers.finish_install()  # async: the last step's (its evaluation waited for it already)
         if cfg.trainer.export:
             workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
-            write_model_card(job.run_dir / "export", job.run_dir, value_of(cfg.model.dtype))
+            adapter = cfg.lora_sync is not None  # the export is the adapter, in fp32 (its master weights)
+            dtype = "float32" if adapter else value_of(cfg.model.dtype)
+            write_model_card(job.run_dir / "export", job.run_dir, dtype, adapter=adapter)
             if cfg.trainer.push_to_hub:
                 push_to_hub(job.run_dir / "export", cfg.trainer.push_to_hub, public=cfg.export.public)
     finally:
@@ -211,6 +218,10 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
             )
         if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
             log.warning(why)
+        if cfg.actor.lora.enabled:
+            if cfg.actor.lora.sync == "auto" and kind == "tpu":  # before any actor reads cfg.lora_sync
+                cfg.actor.lora.sync = "merged"
+            log.info("LoRA rank %d: each weight sync sends %s", cfg.actor.lora.lora_rank, LORA_SENDS[cfg.lora_sync])
         log.info(
             "model %s, %d train / %d eval prompts, reward %s, device %s",
             model_path,

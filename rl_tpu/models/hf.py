@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from torch import nn
 
 MODEL_FILES = "hf"  # in each checkpoint folder: the model folder without its weights
+LORA_BASE_FILE = "lora_base.json"  # in a LoRA checkpoint: the checksum of the frozen base its adapter applies to
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.index.json")
 
 
@@ -24,6 +28,22 @@ def hf_name(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def stored_weights(model_path: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model folder's weights in name order, one at a time, cast to `dtype` (a tied head once, as stored)."""
+    from safetensors import safe_open
+
+    files = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in files:
+        files.pop("lm_head.weight", None)
+    for name in sorted(files):
+        with safe_open(str(files[name]), "pt") as f:
+            yield name, f.get_tensor(name).to(dtype)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

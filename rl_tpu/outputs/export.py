@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from rl_tpu.models.hf import MODEL_FILES, copy_model_files
+from rl_tpu.models.hf import LORA_BASE_FILE, MODEL_FILES, copy_model_files
 from rl_tpu.outputs import checkpoints
 from rl_tpu.outputs.metrics import final_accuracy, read_metrics
 from rl_tpu.outputs.report import run_overrides
@@ -42,6 +42,12 @@ def load_policy(checkpoint: Path):
     from rl_tpu.models.safe_checkpoint import check_metadata, load_state
 
     metadata = check_metadata(checkpoint)  # before anything else of the checkpoint is read
+    if (checkpoint / LORA_BASE_FILE).is_file():
+        raise ValueError(
+            f"{checkpoint}: a LoRA checkpoint holds the adapter alone; its run writes the adapter as a PEFT folder "
+            "(RUN/export, and RUN/export_merged with actor.lora.export_merged=true): exporting a LoRA checkpoint "
+            "on its own is not supported yet"
+        )
     files = checkpoint / MODEL_FILES
     if not (files / "config.json").is_file():
         raise FileNotFoundError(
@@ -99,10 +105,15 @@ def without_local_path(override: str) -> str:
 
 
 def write_model_card(
-    folder: Path, run_dir: Path, dtype: str, step: int | None = None, source: str = "the end of the run"
+    folder: Path,
+    run_dir: Path,
+    dtype: str,
+    step: int | None = None,
+    source: str = "the end of the run",
+    adapter: bool = False,
 ) -> None:
     """README.md in an exported folder: how the policy was trained, what it reached by `step` (None: the last
-    step logged), and the command."""
+    step logged), and the command. `adapter`: the folder holds a LoRA policy's PEFT adapter."""
     overrides = [without_local_path(o) for o in run_overrides(run_dir)]
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if step is None or r["step"] <= step]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
@@ -113,13 +124,14 @@ def write_model_card(
         if evals
         else "no evaluation recorded"
     )
+    what = "a LoRA adapter (PEFT; its base model is in adapter_config.json)" if adapter else "weights"
     (folder / "README.md").write_text(f"""---
-library_name: transformers
+library_name: {"peft" if adapter else "transformers"}
 tags: [rl_tpu, grpo, reinforcement-learning]
 ---
 # Policy trained with rl_tpu
 
-- recipe: `{recipe}`; exported from {source} (step {steps}), weights in {dtype}
+- recipe: `{recipe}`; exported from {source} (step {steps}), {what} in {dtype}
 - held-out accuracy (the recipe's reward, greedy): {accuracy}
 - run folder: `{run_dir.name}`
 

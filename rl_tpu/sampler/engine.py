@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import ray
+import torch
 
 from rl_tpu.cluster.actor_logs import actor_name, send_output_to_file
 from rl_tpu.cluster.core_loan import EngineActivity
@@ -25,7 +26,8 @@ from rl_tpu.cluster.placement import require_model_on_node, where_am_i
 from rl_tpu.episodes.loop import EpisodeOptions, TurnOutput, TurnRequest, build_runner
 from rl_tpu.models.precision import keep_vllm_residual_fp32
 from rl_tpu.records import Rollout, WeightBundle, WeightSyncError
-from rl_tpu.sync.bundle import check_names
+from rl_tpu.sampler.adapters import AdapterServing
+from rl_tpu.sampler.served import served_weights
 from rl_tpu.sync.endpoints import unpack
 
 # Set in the actor's environment before vLLM is imported.
@@ -44,11 +46,6 @@ def sampler_env(enforce_eager: bool) -> dict[str, str]:
 
 # weight installs run on a thread of their own, beside the one that serves generations (see EngineTurns)
 SAMPLER_CONCURRENCY = {"weights": 1}
-
-
-def engine_parameter_names(worker) -> list[str]:
-    """Run inside the vLLM worker: the names of the model's parameters as the engine stores them."""
-    return [name for name, _ in worker.model_runner.model.named_parameters()]
 
 
 @dataclass(frozen=True)
@@ -73,6 +70,7 @@ class EngineOptions:
     fp32_residual: bool = False  # bf16 on CPU: the residual stream in fp32, as the trainer keeps it
     binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
     episodes: EpisodeOptions | None = None  # multi-turn episodes with tools; None: one completion per sample
+    adapters: AdapterServing | None = None  # a LoRA policy served as base plus adapter; None: full weights
 
 
 def sampling_params(
@@ -178,6 +176,8 @@ class Sampler:
         engine_args = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
         if options.gpu_memory_utilization is not None and not current_platform.is_cpu():
             engine_args["gpu_memory_utilization"] = options.gpu_memory_utilization
+        if options.adapters is not None:
+            engine_args.update(options.adapters.engine_args())
         if current_platform.is_cpu():
             # Per-prompt seeds (exact resume) fail on CPU when a prompt's prefill is split across steps:
             # vLLM then rewinds the request's generator, and CPU generators have no offset to rewind.
@@ -197,15 +197,11 @@ class Sampler:
         self.turns = EngineTurns()
         self.activity = EngineActivity(options.binding.activity_folder, options.index)
         self.busy_s = 0.0  # seconds the engine spent generating and installing, since start
-        # what the engine holds (fused names included): every install must fill all of it
-        self.engine_params = set(self.llm.collective_rpc(engine_parameter_names)[0])
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        if getattr(hf_config, "tie_word_embeddings", False):
-            # vLLM's CPU backend repacks the head into storage of its own: a new embedding alone would leave it stale
-            self.engine_params.add("lm_head.weight")
+        self.served = served_weights(self.llm, options.adapters, model_path, getattr(torch, dtype))
         self.episodes = None
         if options.episodes is not None:
-            self.episodes = build_runner(options.episodes, self.llm.get_tokenizer(), hf_config.model_type)
+            model_type = self.llm.llm_engine.model_config.hf_config.model_type
+            self.episodes = build_runner(options.episodes, self.llm.get_tokenizer(), model_type)
 
     def generate(
         self,
@@ -262,7 +258,12 @@ class Sampler:
 
         with self.activity, self.turns.generation():
             start = time.perf_counter()
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts],
+                params,
+                use_tqdm=False,
+                lora_request=self.served.request,
+            )
             self.busy_s += time.perf_counter() - start
             return outputs, self.version
 
@@ -288,6 +289,7 @@ class Sampler:
                 "peak_rss_mb": peak_rss_mb(),
                 "version": self.version,
                 "busy_s": self.busy_s,
+                **self.served.report(),
             }
 
     def _load(self, bundle: WeightBundle, tensors) -> tuple[float, float, float]:
@@ -295,12 +297,11 @@ class Sampler:
         way ends. Returns when the checks ended, when the load began and when it ended."""
         if bundle.version <= self.version:
             raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
-        check_names(bundle, self.engine_params)
+        self.served.check(bundle)
         checked = time.perf_counter()
         with self.turns.install():
             loading = time.perf_counter()
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
-            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+            self.served.install(bundle, tensors)
             self.version = bundle.version
             done = time.perf_counter()
             self.busy_s += done - loading  # inside the turn: generations add to it from their own thread

@@ -9,6 +9,7 @@ checksums computed on the sender. The receiver verifies every bucket before any 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import blake3
 import numpy as np
@@ -30,6 +31,16 @@ def checksum(specs: tuple[TensorSpec, ...], buffers: list[np.ndarray]) -> str:
     for spec, buf in zip(specs, buffers, strict=True):
         hasher.update(f"{spec.name}|{spec.dtype}|{spec.shape}|".encode())
         hasher.update(buf)
+    return hasher.hexdigest()
+
+
+def named_checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """One checksum of named CPU tensors taken one at a time (a whole model need not be in memory), in the order
+    given: a LoRA run's base, which trainer and engines each compute in name order and compare at every install."""
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for name, tensor in tensors:
+        hasher.update(f"{name}|{spec_of(name, tensor).dtype}|{tuple(tensor.shape)}|".encode())
+        hasher.update(as_bytes(tensor))
     return hasher.hexdigest()
 
 
@@ -106,3 +117,47 @@ def check_names(bundle: WeightBundle, engine_params: set[str]) -> None:
             f"{missing[:5]}, unexpected {unexpected[:5]}, partly filled fused weights {partial[:5]}; "
             "nothing was installed"
         )
+
+
+def check_kind(bundle: WeightBundle, serves_adapters: bool) -> None:
+    """Refuse full weights for an engine that serves a LoRA policy's adapters, and an adapter for one that does not."""
+    if (bundle.adapter is not None) != serves_adapters:
+        holds = "a LoRA adapter" if bundle.adapter is not None else "full weights"
+        serves = "adapters on its base" if serves_adapters else "full weights"
+        raise WeightSyncError(
+            f"weight bundle v{bundle.version} holds {holds} and the engine serves {serves}; nothing was installed"
+        )
+
+
+def adapter_modules(names: list[str]) -> dict[str, set[str]]:
+    """{module: the adapter weights it has (lora_A, lora_B)} of PEFT-named adapter tensors; raises on other names."""
+    modules: dict[str, set[str]] = {}
+    for name in names:
+        module, _, part = name.removesuffix(".weight").rpartition(".")
+        if part not in ("lora_A", "lora_B") or not name.endswith(".weight"):
+            raise WeightSyncError(f"adapter tensor {name!r} is not a PEFT LoRA weight (<module>.lora_A/B.weight)")
+        modules.setdefault(module, set()).add(part)
+    return modules
+
+
+def check_adapter(bundle: WeightBundle, served_base: str, lora_modules: set[str], first: set[str] | None) -> set[str]:
+    """Refuse an adapter bundle that would not change what the engine serves as the trainer has it: one over another
+    base, an empty one, one with a module lacking lora_A or lora_B or that the engine cannot adapt, or one whose
+    modules differ from the first adapter's (`first`; None: this is the first). Returns its modules."""
+    where = f"adapter bundle v{bundle.version}"
+    if bundle.base_checksum != served_base:
+        raise WeightSyncError(
+            f"{where} was trained over base {str(bundle.base_checksum)[:16]}, the engine serves base "
+            f"{served_base[:16]}: trainer and engine loaded different model weights; nothing was installed"
+        )
+    modules = adapter_modules(bundle.names)
+    incomplete = sorted(m for m, parts in modules.items() if len(parts) != 2)
+    unservable = sorted(m for m in modules if m.rpartition(".")[2] not in lora_modules)
+    changed = sorted(set(modules) ^ first) if first is not None else []
+    if not modules or incomplete or unservable or changed:
+        raise WeightSyncError(
+            f"{where} does not fit the served model: {len(modules)} modules, without lora_A or lora_B "
+            f"{incomplete[:3]}, not adaptable by the engine {unservable[:3]} (it adapts {sorted(lora_modules)}), "
+            f"not in the first adapter or missing {changed[:3]}; nothing was installed"
+        )
+    return set(modules)

@@ -18,6 +18,7 @@ from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.models.logprobs import forward_positions, pad_batch, token_logprobs
 from rl_tpu.records import TrainBatch
+from rl_tpu.trainer.lora import adapters_off
 
 
 def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
@@ -95,8 +96,10 @@ class PolicyUpdate:
         self.rank, self.world_size, self.pad_id, self.borrower = rank, world_size, pad_id, borrower
         algo = cfg.algorithm
         # one fused kernel for every parameter's update where PyTorch has one (reference workload: 15 -> 5 ms a step)
+        # the trainable weights: all of them, or a LoRA policy's adapter
+        self.trainable = [param for param in model.parameters() if param.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self.trainable,
             lr=algo.lr,
             betas=tuple(algo.betas),
             weight_decay=algo.weight_decay,
@@ -174,7 +177,7 @@ class PolicyUpdate:
                 if self.old_logprob_source == "sampler" or not single_update:
                     t["old_log_probs"] = self._sampling_policy_logprobs(t, temperature)
                 if self.cfg.actor.use_kl_loss:
-                    t["ref_log_probs"] = self._logprobs(self.ref_model, t, temperature, False)[0]
+                    t["ref_log_probs"] = self._reference_logprobs(t, temperature)
             micros.append(t)
         return micros
 
@@ -195,6 +198,13 @@ class PolicyUpdate:
         backend = self.device.compile_backend if self.cfg.trainer.compile else None
         return token_logprobs(model, t, temperature, with_entropy, self.cfg.trainer.logprob_chunk_size, backend)
 
+    def _reference_logprobs(self, t: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """The reference policy's logprobs: the reference model's, or a LoRA policy's base (its adapters off)."""
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, t, temperature, False)[0]
+        with adapters_off(self.model):
+            return self._logprobs(self.model, t, temperature, False)[0]
+
     def token_kl(self, batch: TrainBatch) -> list[list[float]]:
         """This rank's slice of the batch: each completion token's KL (`algorithm.kl_penalty`) between the policy
         that sampled it (these weights, before the update, or the sampler's logprobs) and the reference model."""
@@ -206,7 +216,7 @@ class PolicyUpdate:
             t = self._padded(micro)
             with torch.no_grad():
                 policy = self._sampling_policy_logprobs(t, batch.temperature)
-                ref = self._logprobs(self.ref_model, t, batch.temperature, False)[0]
+                ref = self._reference_logprobs(t, batch.temperature)
                 kl = kl_penalty(policy, ref, self.cfg.algorithm.kl_penalty).float().cpu()
             rows += [kl[i, : len(ids)].tolist() for i, ids in enumerate(micro.completion_ids)]
         return rows
@@ -255,7 +265,7 @@ class PolicyUpdate:
 
     def _optimizer_step(self) -> float:
         """Clip and apply the accumulated gradient; a non-finite one is dropped. Returns the gradient norm."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.algorithm.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.algorithm.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if torch.isfinite(grad_norm):  # a non-finite loss or gradient: nothing of it reaches the weights
             self.optimizer.step()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from rl_tpu.models.hf import hf_name
 from rl_tpu.records import TrainBatch, WeightBundle
 from rl_tpu.sync.endpoints import pack_buckets
 from rl_tpu.sync.registry import make_transport
-from rl_tpu.trainer import checkpoint, weights
+from rl_tpu.trainer import checkpoint, lora, weights
 from rl_tpu.trainer.parallelize import materialize, parallelize
 from rl_tpu.trainer.update import PolicyUpdate
 
@@ -69,21 +70,28 @@ class TrainerWorker:
             placement.bind_gloo_to_node_ip()
         dist.init_process_group(self.device.dist_backend, rank=rank, world_size=world_size)
         mesh = init_device_mesh(self.device.kind, (world_size,))
+        self.lora_sync = cfg.lora_sync  # None: full fine-tuning
+        self.adapter_config: dict | None = None  # a LoRA policy's adapter_config.json, set by _load_model
         self.model = self._load_model(mesh)
-        with_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        # a LoRA policy's reference is its own base, the adapters bypassed (lora.adapters_off): no second model
+        with_ref = (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.lora_sync is None
         self.ref_model = self._load_model(mesh).requires_grad_(False) if with_ref else None
         self.update = PolicyUpdate(
             cfg, self.model, self.ref_model, self.device, rank, world_size, self._pad_id(), self.borrower
         )
         self.optimizer = self.update.optimizer
         self.served_dtype = cfg.model.torch_dtype
+        self.served = weights.served_params(self.model, self.lora_sync)  # what each sync sends, by served name
+        # a LoRA policy's base never changes: its checksum, taken once, goes with every adapter for the engines to
+        # compare, and with every checkpoint for a resumed run to compare
+        self.base_checksum = weights.base_checksum(self.model, self.served_dtype, rank) if self.lora_sync else None
         # the collective sender (rank 0) listens on its own node's address, where the engines connect
         self.transport = make_transport(
             value_of(cfg.sync.transport), cfg.sync.shm_dir, host=master_addr, receivers=cfg.sampler.num_engines
         )
         if rank == 0 or self.transport.any_rank_sends:
-            served = weights.served_specs(self.model, self.served_dtype)
-            self.transport.prepare(sum(spec.nbytes for spec in served.values()))
+            specs = weights.served_specs(self.served, self.served_dtype)
+            self.transport.prepare(sum(spec.nbytes for spec in specs.values()))
 
     def _load_model(self, mesh) -> torch.nn.Module:
         """Shard first, then fill: the model is built on the meta device and sharded, rank 0 reads the
@@ -98,6 +106,8 @@ class TrainerWorker:
                 dtype=torch.float32,
                 attn_implementation=self._attention(param_dtype),
             )
+        if self.lora_sync is not None:  # before sharding, once: a LoRA run loads no reference model
+            self.adapter_config = lora.add_adapters(model, self.cfg.actor.lora, param_dtype)
         model = parallelize(
             model,
             self.device,
@@ -109,6 +119,11 @@ class TrainerWorker:
         )
         materialize(model, self.device.torch_device)
         full = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if self.rank == 0 else None
+        if self.lora_sync is not None and full is not None:
+            # PEFT's initialisation (B = 0: the policy starts as the base), drawn once on rank 0 from the seed, so
+            # every world size starts from the same adapter
+            torch.manual_seed(self.cfg.seed)
+            lora.add_adapters(full, self.cfg.actor.lora, torch.float32)
         set_model_state_dict(
             model,
             full.state_dict() if full is not None else {},
@@ -149,16 +164,20 @@ class TrainerWorker:
         return get_model_state_dict(self.model, options=options)
 
     def served_buckets(self, senders: int = 1) -> Iterator[dict[str, torch.Tensor] | None]:
-        return weights.served_buckets(self.model, self.served_dtype, self.cfg.sync.bucket_mb, self.rank, senders)
+        return weights.served_buckets(self.served, self.served_dtype, self.cfg.sync.bucket_mb, self.rank, senders)
 
     def publish_weights(self, version: int) -> WeightBundle:
-        """Stream the full weights into the transport; returns this rank's part of the bundle.
+        """Stream the served weights (a LoRA policy's adapter alone, `actor.lora.sync=adapter`) into the transport;
+        returns this rank's part of the bundle.
 
         Where the transport lets any rank send (`object_store`), the ranks share the buckets, so
         that checksums and staging are split and no rank holds the whole bundle's staged bytes;
         otherwise rank 0 sends them all and the other ranks' parts are empty."""
         senders = self.world_size if self.transport.any_rank_sends else 1
-        return pack_buckets(self.served_buckets(senders), version, self.transport)
+        bundle = pack_buckets(self.served_buckets(senders), version, self.transport)
+        if self.lora_sync == "adapter" and self.rank == 0:
+            bundle = replace(bundle, adapter=self.adapter_config, base_checksum=self.base_checksum)
+        return bundle
 
     def connect_tpu_sync(self, samplers: list) -> list[str] | None:
         """`sync.transport=tpu_sync` handshake: rank 0 plans the slots, every engine listens, rank 0 connects."""
@@ -168,7 +187,7 @@ class TrainerWorker:
             return None
         import ray
 
-        plan = SlotPlan.of(weights.served_specs(self.model, self.served_dtype), int(self.cfg.sync.bucket_mb * 2**20))
+        plan = SlotPlan.of(weights.served_specs(self.served, self.served_dtype), int(self.cfg.sync.bucket_mb * 2**20))
         endpoints = ray.get(
             [sampler.open_tpu_sync.remote(plan) for sampler in samplers], timeout=self.cfg.ray.start_timeout_s
         )
@@ -176,18 +195,28 @@ class TrainerWorker:
         return endpoints
 
     def export(self, folder: str) -> str | None:
-        """A Hugging Face folder of the policy in `model.dtype`, streamed bucket by bucket (`weights.export_hf_folder`)."""
-        return weights.export_hf_folder(
-            self.served_buckets(), self.model_path, folder, self.rank, value_of(self.cfg.model.dtype)
-        )
+        """A Hugging Face folder of the policy in `model.dtype`, streamed bucket by bucket (`weights.export_hf_folder`).
+
+        A LoRA policy: its adapter as a PEFT folder (fp32), and with `actor.lora.export_merged` the merged model
+        as a Hugging Face folder beside it (FOLDER_merged)."""
+        if self.lora_sync is None:
+            return self._export_hf(self.served, folder)
+        if self.cfg.actor.lora.export_merged:
+            self._export_hf(lora.merged_params(self.model), f"{folder}_merged")
+        adapter = lora.adapter_params(self.model)
+        return weights.export_adapter_folder(adapter, self.adapter_config, self.model_path, folder, self.rank)
+
+    def _export_hf(self, params: dict, folder: str) -> str | None:
+        buckets = weights.served_buckets(params, self.served_dtype, self.cfg.sync.bucket_mb, self.rank)
+        return weights.export_hf_folder(buckets, self.model_path, folder, self.rank, value_of(self.cfg.model.dtype))
 
     def save_checkpoint(self, folder: str) -> None:
         checkpoint.save_checkpoint(
-            folder, self.model, self.optimizer, self.update.scheduler, self.model_path, self.rank
+            folder, self.model, self.optimizer, self.update.scheduler, self.model_path, self.rank, self.base_checksum
         )
 
     def load_checkpoint(self, folder: str) -> None:
-        checkpoint.load_checkpoint(folder, self.model, self.optimizer, self.update.scheduler)
+        checkpoint.load_checkpoint(folder, self.model, self.optimizer, self.update.scheduler, self.base_checksum)
 
     def where(self) -> dict:
         return {**placement.where_am_i(), "actor": self.name, "device": str(self.device.torch_device)}
