@@ -56,6 +56,12 @@ class Rollout:
                 f"rollout has {len(self.completion_ids)} completion tokens but a model mask of {len(self.model_mask)}"
             )
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> Rollout:
+        """The rollout `dataclasses.asdict` made `fields` of (JSON keeps every float exactly)."""
+        episode = fields.get("episode")
+        return cls(**{**fields, "episode": EpisodeStats(**episode) if episode is not None else None})
+
 
 @dataclass
 class TrainBatch:

@@ -271,6 +271,9 @@ class TrainerConfig:
     max_skipped_steps: int = 3  # this many updates skipped in a row (non-finite loss or gradient) stop the run
     resume_from: Optional[str] = None  # a run folder (its latest checkpoint) or a checkpoints/step_N folder
     resume: ResumeMode = ResumeMode.off  # auto: continue this run folder (hydra.run.dir=...) where it stopped
+    # settings a resumed run may change although they change what it learns (e.g. [sampler.n]); the checkpoint's
+    # settings are compared with the run's, and other changes to such settings are refused
+    resume_allow_changes: list[str] = field(default_factory=list)
     # a lost trainer rank (or an engine that cannot rejoin alone): every actor restarts from the last checkpoint,
     # this many times in one run; past that the run stops with the command that resumes it
     max_restarts: int = 1

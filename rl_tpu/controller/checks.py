@@ -41,3 +41,36 @@ def validate(cfg: RunConfig) -> None:
     placement.check_request(cfg)
     if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray
+
+
+# Settings a resumed run may change, each change logged: where and how fast it runs, how long, what it records.
+# Any other change alters what the run learns or its shapes, and is refused unless trainer.resume_allow_changes
+# lists it (prefixes: a key and every key under it).
+RESUME_MAY_CHANGE = (
+    *("placement", "pin_cores", "cache_dir", "ray.", "export.", "sync.", "data.val_files", "data.val_max_samples"),
+    *(f"sampler.{key}" for key in ("kv_cache_gb", "gpu_memory_utilization", "enforce_eager", "num_cpus", "threads")),
+    *(f"sampler.{key}" for key in ("num_engines", "node_labels", "max_restarts")),
+    *(f"trainer.{key}" for key in ("world_size", "micro_batch_size", "activation_checkpointing", "logprob_chunk_size")),
+    *(f"trainer.{key}" for key in ("seq_buckets", "compile", "threads_per_rank", "borrow_idle_cores", "node_labels")),
+    *(f"trainer.{key}" for key in ("attn_implementation", "sort_by_length", "share_prompts", "return_freed_memory")),
+    *(f"trainer.{key}" for key in ("total_steps", "eval_every", "eval_pass_k", "export", "push_to_hub", "plots")),
+    *(f"trainer.{key}" for key in ("checkpoint_every", "checkpoint_final", "keep_last", "max_skipped_steps")),
+    *(f"trainer.{key}" for key in ("resume", "max_restarts", "logger", "project_name", "experiment_name")),
+    "reward.num_workers",
+)
+
+
+def check_resumed_settings(checkpoint: Path, settings: dict, allow_changes: list[str]) -> dict[str, tuple]:
+    """Compare the run's `settings` with those of the run that wrote `checkpoint`; refuse a change that alters what
+    the run learns unless `allow_changes` (trainer.resume_allow_changes) names it. Returns every change."""
+    changed = checkpoints.changed_settings(checkpoints.saved_settings(checkpoint), settings)
+    allowed = (*RESUME_MAY_CHANGE, *allow_changes)
+    refused = {key: values for key, values in changed.items() if not key.startswith(allowed)}
+    if refused:
+        listed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(refused.items()))
+        raise ValueError(
+            f"{checkpoint} was written by a run with other settings, which change what the run learns: {listed}. "
+            f"Resume with the checkpoint's values, or change them anyway with "
+            f"trainer.resume_allow_changes=[{','.join(sorted(refused))}]"
+        )
+    return changed

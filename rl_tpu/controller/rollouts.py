@@ -87,17 +87,63 @@ def episode_metrics(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
     }
 
 
+@dataclass
+class GeneratedRollouts:
+    """A generation batch already made: what `PendingRollouts` gives once waited for (a checkpoint saves these)."""
+
+    rollouts: list[Rollout]
+    engine_shares: dict[str, float]
+
+    def result(self, timeout_s: float) -> list[Rollout]:
+        return self.rollouts
+
+    def shares(self) -> dict[str, float]:
+        return self.engine_shares
+
+    def to_dict(self) -> dict:
+        return {"rollouts": [dataclasses.asdict(r) for r in self.rollouts], "shares": self.engine_shares}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> GeneratedRollouts:
+        return cls([Rollout.from_dict(r) for r in saved["rollouts"]], saved["shares"])
+
+
 class RolloutQueue:
     """Generation batches queued on the sampler in order, `trainer.max_staleness` steps ahead at most.
 
     The sampler runs its calls in order, so a batch queued after new weights arrive is generated with them
-    or newer ones."""
+    or newer ones. A checkpoint saves the batches queued ahead, generated (`generated_ahead`), and a resumed
+    run trains on them as they were: in async mode they came from older weights than the checkpoint's, which a
+    run that never stopped used too."""
 
-    def __init__(self, workers: Workers, prompt_batches: Iterator[list[Example]], cfg: RunConfig, taken: int):
-        """`taken`: generation batches the steps before this one used (the prompt stream is past them)."""
+    def __init__(
+        self,
+        workers: Workers,
+        prompt_batches: Iterator[list[Example]],
+        cfg: RunConfig,
+        taken: int,
+        generated: list[GeneratedRollouts] = (),
+    ):
+        """`taken`: generation batches the steps before this one used (the prompt stream is past them);
+        `generated`: the batches queued after them, already generated (from the checkpoint resumed)."""
         self.workers, self.prompt_batches, self.cfg = workers, prompt_batches, cfg
-        self.pending: deque[tuple[list[Example], PendingRollouts]] = deque()
+        self.pending: deque[tuple[list[Example], PendingRollouts | GeneratedRollouts]] = deque()
         self.taken = taken
+        for batch in generated:  # their prompts are the stream's next ones, as when they were queued
+            self.pending.append((next(self.prompt_batches), batch))
+
+    def generated_ahead(self, timeout_s: float) -> list[GeneratedRollouts]:
+        """Wait for every batch queued ahead; they stay queued, generated. Returns them, in order."""
+        self.pending = deque(
+            (
+                prompts,
+                batch
+                if isinstance(batch, GeneratedRollouts)
+                else GeneratedRollouts(batch.result(timeout_s), batch.shares()),
+            )
+            for prompts, batch in self.pending
+        )
+        return [batch for _, batch in self.pending]
 
     def _queue_one(self) -> None:
         number = self.taken + len(self.pending) + 1  # the batches taken, then those waiting, come before it
@@ -111,7 +157,7 @@ class RolloutQueue:
         while len(self.pending) < ahead:
             self._queue_one()
 
-    def pop(self, step: int) -> tuple[list[Example], PendingRollouts]:
+    def pop(self, step: int) -> tuple[list[Example], PendingRollouts | GeneratedRollouts]:
         """The next batch for `step` (queued now if none is)."""
         self.fill_after(step - 1)
         if not self.pending:

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import yaml
+from omegaconf import OmegaConf
 
 from rl_tpu.algorithms.kl_reward import KLInReward
 from rl_tpu.cluster import placement
@@ -28,9 +30,9 @@ from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
 from rl_tpu.controller import evaluation
 from rl_tpu.controller.actors import Workers, start_workers, tool_settings
-from rl_tpu.controller.checks import validate
+from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resumed_settings, validate
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
-from rl_tpu.controller.rollouts import RolloutQueue
+from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue
 from rl_tpu.controller.step import grpo_step
 from rl_tpu.data.arithmetic import ensure_arithmetic_dataset
 from rl_tpu.data.datasets import Example, batches, load_examples
@@ -73,14 +75,19 @@ class Job:
     grader: Grader
     logger: MetricsLogger
     stop: StopRequest
+    settings: str  # the run's settings as given, as YAML: saved with each checkpoint
+    # a resume trains on the checkpoint's queued generations: none of the settings that made them changed
+    replay_queued: bool = True
 
 
 def save_checkpoint(job: Job, workers: Workers, step: int, queue: RolloutQueue, kl: KLInReward | None) -> Path:
     folder = checkpoints.folder_for(job.run_dir, step)
-    workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder))
-    checkpoints.save_data_position(folder, queue.taken)
-    if kl is not None:
-        checkpoints.save_kl_coef(folder, kl.coef)
+    checkpoints.check_room(job.run_dir)  # a full disk named as such, before anything is written
+    # the batches queued ahead, generated: a resumed run trains on them as this one will (async: older weights)
+    queued = [batch.to_dict() for batch in queue.generated_ahead(job.cfg.ray.call_timeout_s)]
+    # the driver's part goes inside before the folder is complete: a checkpoint is whole or is not one
+    driver = checkpoints.driver_files(queue.taken, kl.coef if kl is not None else None, job.settings, queued)
+    workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder), driver)
     checkpoints.prune(job.run_dir, job.cfg.trainer.keep_last)
     return folder
 
@@ -132,7 +139,8 @@ def train(job: Job, restarted: bool) -> None:
         prompt_batches = batches(job.train_examples, cfg.data.train_batch_size, order_seed)
         for _ in range(taken):  # the same batches a run that never stopped would see next
             next(prompt_batches)
-        queue = RolloutQueue(workers, prompt_batches, cfg, taken)
+        generated = [] if checkpoint is None or not job.replay_queued else checkpoints.queued_generations(checkpoint)
+        queue = RolloutQueue(workers, prompt_batches, cfg, taken, [GeneratedRollouts.from_dict(b) for b in generated])
         guard, saved = SkippedStepGuard(cfg.trainer.max_skipped_steps), start_step
         for step in range(start_step + 1, total + 1):
             if job.stop.requested:
@@ -200,6 +208,15 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
 
     started = time.monotonic()
     validate(cfg)
+    settings = OmegaConf.to_yaml(OmegaConf.structured(cfg))  # as given: before anything is derived from them
+    resuming = checkpoints.resume_point(run_dir, value_of(cfg.trainer.resume) == "auto", cfg.trainer.resume_from)
+    changed = {}
+    if resuming is not None:
+        changed = check_resumed_settings(resuming, yaml.safe_load(settings), cfg.trainer.resume_allow_changes)
+        for key, (old, new) in sorted(changed.items()):
+            log.info("resuming from %s with %s=%r (it was written with %r)", resuming, key, new, old)
+    # a change the user allowed may change what the queued generations would be: they are made again
+    replay_queued = all(key.startswith(RESUME_MAY_CHANGE) for key in changed)
     cache_dir = cache_path(cfg)
     model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -231,7 +248,8 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
             kind,
         )
         with StopRequest() as stop:
-            job = Job(cfg, run_dir, model_path, kind, tokenizer, train_examples, eval_examples, grader, logger, stop)
+            inputs = (tokenizer, train_examples, eval_examples, grader)
+            job = Job(cfg, run_dir, model_path, kind, *inputs, logger, stop, settings, replay_queued)
             with_restarts(lambda restarts: train(job, restarted=restarts > 0), cfg.trainer.max_restarts)
     finally:
         logger.close()

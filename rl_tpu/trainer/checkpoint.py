@@ -38,14 +38,20 @@ def save_checkpoint(
     model_path: str,
     rank: int,
     base_checksum: str | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> None:
     """Written to `folder.partial` and renamed by rank 0 once every rank has finished, so a crash
     mid-save never leaves something that looks like a complete checkpoint. Collective.
 
-    `base_checksum`: a LoRA policy's (its model state is then the adapter alone)."""
+    `base_checksum`: a LoRA policy's (its model state is then the adapter alone). `extra_files`: {name: text}
+    written into the checkpoint before the rename (the driver's part)."""
     final = Path(folder)
     tmp = final.with_name(final.name + ".partial")
-    dcp.save(_state(model, optimizer, scheduler, base_checksum is not None), checkpoint_id=str(tmp))
+    try:
+        dcp.save(_state(model, optimizer, scheduler, base_checksum is not None), checkpoint_id=str(tmp))
+    except Exception as error:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left for a resume or the disk to hold
+        raise OSError(f"saving {final} failed ({describe_room(final.parent)}): {error}") from error
     dist.barrier()
     if rank == 0:
         copy_model_files(model_path, tmp / MODEL_FILES)  # so that the checkpoint alone can be exported
@@ -53,9 +59,18 @@ def save_checkpoint(
             (tmp / LORA_BASE_FILE).write_text(
                 json.dumps({"base_checksum": base_checksum, "base_model": str(model_path)})
             )
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     dist.barrier()
+
+
+def describe_room(folder: Path) -> str:
+    """The free space of `folder`'s filesystem, and whether it is full: what a failed save most often means."""
+    free = shutil.disk_usage(folder).free
+    full = "no space left on its filesystem" if free < 64 * 2**20 else "its filesystem has room"
+    return f"{full}: {free / 2**20:.0f} MiB free at {folder}"
 
 
 def load_checkpoint(

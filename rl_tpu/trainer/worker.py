@@ -210,10 +210,10 @@ class TrainerWorker:
         buckets = weights.served_buckets(params, self.served_dtype, self.cfg.sync.bucket_mb, self.rank)
         return weights.export_hf_folder(buckets, self.model_path, folder, self.rank, value_of(self.cfg.model.dtype))
 
-    def save_checkpoint(self, folder: str) -> None:
-        checkpoint.save_checkpoint(
-            folder, self.model, self.optimizer, self.update.scheduler, self.model_path, self.rank, self.base_checksum
-        )
+    def save_checkpoint(self, folder: str, driver_files: dict[str, str] | None = None) -> None:
+        """`driver_files`: {name: text} of the driver's part, written into the checkpoint before it is complete."""
+        state = (self.model, self.optimizer, self.update.scheduler)
+        checkpoint.save_checkpoint(folder, *state, self.model_path, self.rank, self.base_checksum, driver_files)
 
     def load_checkpoint(self, folder: str) -> None:
         checkpoint.load_checkpoint(folder, self.model, self.optimizer, self.update.scheduler, self.base_checksum)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_cli, tensorboard_scalars
+from conftest import REPO, cli_command, run_cli, tensorboard_scalars
 
 from rl_tpu.outputs.metrics import read_metrics
 
@@ -240,6 +240,19 @@ def test_resume_continues_exactly_where_the_run_stopped(three_step_run, six_step
     assert rows[0]["sync/version"] == 3 and rows[1]["rollout/weight_version"] == 3 and rows[3]["sync/version"] == 6
     assert rows[3]["sync/transport"] == "shm_file" and rows[3]["sync/buckets"] >= 1
     assert_same_steps(rows[1:], six_step_run)
+    log = (root / "resumed" / "main.log").read_text()  # settings that change nothing learned: logged, accepted
+    assert "with trainer.total_steps=6 (it was written with 3)" in log and "with sync.transport='shm_file'" in log
+
+
+def test_resuming_with_a_changed_dtype_is_refused_before_ray_starts(three_step_run, tmp_path):
+    root, _ = three_step_run
+    command = cli_command(
+        tmp_path / "run", root / "cache", f"trainer.resume_from={root / 'run'}", "model.dtype=bfloat16"
+    )
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Started a local Ray instance" not in result.stdout + result.stderr
+    assert "model.dtype: 'float32' -> 'bfloat16'. Resume with the checkpoint's values" in result.stderr
+    assert "trainer.resume_allow_changes=[model.dtype]" in result.stderr
 
 
 def test_an_evaluation_only_run_of_the_export_repeats_the_runs_last_evaluation(three_step_run, tmp_path):

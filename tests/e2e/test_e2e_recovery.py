@@ -108,3 +108,30 @@ def test_a_non_finite_loss_skips_that_update_and_the_run_goes_on(tmp_path):
     for row in metrics:
         assert ("actor/loss" in row) != bool(row["actor/skipped"])  # a skipped step logs no loss
     assert metrics[-1]["step"] == 4 and metrics[-1]["sync/version"] == 4  # the run went on to the end
+
+
+ASYNC_DYNAMIC = (
+    "trainer.max_staleness=2",
+    "algorithm.filter_groups.enable=true",
+    "custom_reward_function.path=tests/fixtures/rewards/digits.py",  # learnable from random weights: they move
+    "trainer.world_size=1",
+    "trainer.total_steps=6",
+    "trainer.checkpoint_every=3",
+)
+
+
+def test_an_async_run_resumes_exactly_on_the_generations_it_had_queued(tmp_path):
+    """max_staleness=2 with dynamic sampling, resumed from step 3's checkpoint: steps 4-6 equal those of the run
+    that never stopped, since the checkpoint saved the batches queued ahead (generated with older weights than its
+    own) and the prompt stream's position counts generation batches, not steps."""
+    run_cli(tmp_path / "whole", tmp_path / "cache", *ASYNC_DYNAMIC)
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_3"
+    queued = json.loads((checkpoint / "queued.json").read_text())
+    assert len(queued) == 3 and all(batch["rollouts"] for batch in queued)  # max_staleness + 1 batches ahead
+    run_cli(tmp_path / "resumed", tmp_path / "cache", *ASYNC_DYNAMIC, f"trainer.resume_from={checkpoint}")
+    rows = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [3, 4, 5, 6]
+    # step 4 trained on what the first run queued: weights older than the checkpoint's v3, which a batch made
+    # again after the resume would have come from
+    assert rows[1]["rollout/weight_version"] < 3
+    assert_same_steps(rows[1:], tmp_path / "whole", keys=("data/gen_batches", "rollout/weight_version"))

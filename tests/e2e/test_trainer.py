@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from rl_tpu.algorithms import core as algorithms
 from rl_tpu.config import RunConfig
 from rl_tpu.models.logprobs import pad_batch, token_logprobs
+from rl_tpu.outputs import checkpoints
 from rl_tpu.trainer.update import micro_batches
 from rl_tpu.trainer.worker import TrainerWorker
 
@@ -206,7 +207,9 @@ def test_a_checkpoint_moves_between_one_unsharded_rank_and_two_fsdp_ranks(ray_cl
     try:
         assert not any(isinstance(p, DTensor) for p in one.model.parameters())
         one.train_step(batch)
-        one.save_checkpoint(str(tmp_path / "one"))
+        one.save_checkpoint(str(tmp_path / "one"), {"data.json": '{"gen_batches_taken": 3}'})
+        # the driver's part is inside the checkpoint once it is complete (written before the rename)
+        assert checkpoints.data_position(tmp_path / "one") == 3
         one.train_step(batch)
         after_two_steps = {name: t.clone() for name, t in one.full_state_dict().items()}
         cfg.trainer.world_size, port = 2, free_port()

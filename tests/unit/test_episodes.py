@@ -79,6 +79,8 @@ def toolbox(tmp_path_factory):
 def test_tools_that_hang_raise_or_return_garbage_fail_that_call_only(toolbox):
     calls = [ToolCall(name, "{}", {}) for name in ("hangs", "raises", "returnsnumber", "returnsnonstringtext")]
     calls.append(ToolCall("calc", json.dumps({"expression": "37*48"}), {}))
+    warm = [ToolCall("calc", json.dumps({"expression": "1+1"}), {}) for _ in range(2)]
+    assert [r.text for r in toolbox.run(warm)[0]] == ["2", "2"]  # both workers up: their start-up is not timed
     start = time.monotonic()
     results, _ = toolbox.run(calls)
     assert time.monotonic() - start < 3.0 * 3  # the hung call waited for its deadline, not forever

@@ -78,9 +78,14 @@ def test_a_resumed_controller_continues_with_the_saved_coefficient(tmp_path):
     algo = AlgorithmConfig(kl_ctrl=KLControlConfig("adaptive", 0.1, 10, 0.01))
     before = KLInReward(algo)
     before.penalties([[0.5, 0.5], [0.2]])
-    checkpoints.save_kl_coef(tmp_path, before.coef)
+    for name, text in checkpoints.driver_files(4, before.coef).items():
+        (tmp_path / name).write_text(text)
     assert KLInReward(algo, checkpoints.kl_coef(tmp_path)).coef == before.coef != 0.1
-    assert checkpoints.kl_coef(tmp_path / "elsewhere") is None and checkpoints.kl_coef(None) is None
+    assert checkpoints.kl_coef(None) is None  # the run starts: the configured coefficient
+    # a checkpoint without it (a run without KL in the reward, or one cut short) is refused, never guessed
+    (tmp_path / checkpoints.KL_COEF).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no kl_ctrl.json .*algorithm.use_kl_in_reward"):
+        checkpoints.kl_coef(tmp_path)
 
 
 def test_the_trainers_token_kl_is_zero_before_an_update_and_the_estimators_after(tiny_model_dir):

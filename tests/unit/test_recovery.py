@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from conftest import compose_run
 
 from rl_tpu.cluster.calls import ActorError
@@ -31,6 +33,41 @@ def test_partial_and_incomplete_folders_are_never_resumed_from(tmp_path):
     assert checkpoints.latest(tmp_path).name == "step_2"
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         checkpoints.latest(tmp_path / "elsewhere")
+
+
+def test_a_checkpoint_without_its_data_position_is_refused_naming_the_file(tmp_path):
+    folder = make_checkpoint(tmp_path, "step_3")
+    with pytest.raises(FileNotFoundError, match=f"{folder} has no data.json \\(the data position\\)"):
+        checkpoints.data_position(folder)
+    for name, text in checkpoints.driver_files(5, None).items():  # dynamic sampling took 5 batches in 3 steps
+        (folder / name).write_text(text)
+    assert checkpoints.data_position(folder) == 5 and not (folder / checkpoints.KL_COEF).exists()
+
+
+def test_a_resume_refuses_settings_that_change_what_is_learned_unless_allowed(tmp_path):
+    from omegaconf import OmegaConf
+
+    from rl_tpu.config import RunConfig
+    from rl_tpu.controller.checks import check_resumed_settings
+
+    def settings(**changes) -> dict:
+        cfg = RunConfig()
+        for key, value in changes.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        return yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+    folder = make_checkpoint(tmp_path, "step_3")
+    (folder / checkpoints.SETTINGS).write_text(yaml.safe_dump(settings()))
+    changed = check_resumed_settings(folder, settings(trainer__total_steps=200, sync__transport="shm_file"), [])
+    assert changed == {"trainer.total_steps": (100, 200), "sync.transport": ("object_store", "shm_file")}
+    with pytest.raises(ValueError, match=r"model.dtype: 'float32' -> 'bfloat16', sampler.n: 8 -> 4\. .*"
+                       r"trainer.resume_allow_changes=\[model.dtype,sampler.n\]"):  # fmt: skip
+        check_resumed_settings(folder, settings(model__dtype="bfloat16", sampler__n=4), [])
+    assert check_resumed_settings(folder, settings(sampler__n=4), ["sampler.n"]) == {"sampler.n": (8, 4)}
+    (folder / checkpoints.SETTINGS).unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.yaml"):
+        check_resumed_settings(folder, settings(), [])
 
 
 def test_keep_last_keeps_exactly_the_newest_and_clears_interrupted_saves(tmp_path):
@@ -175,3 +212,37 @@ def test_a_model_whose_norms_fp32_residual_cannot_replace_is_refused_before_ray(
         compose_run("data.train_batch_size=4", "model.dtype=bfloat16", "model.fp32_residual=false"), gemma, few
     )
     check_inputs(compose_run("data.train_batch_size=4"), gemma, few)  # fp32: nothing to replace
+
+
+def test_a_full_disk_is_named_before_a_save_and_a_failed_save_leaves_nothing(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    import torch
+
+    from rl_tpu.trainer import checkpoint as trainer_checkpoint
+
+    usage = namedtuple("usage", "total used free")
+    folder = make_checkpoint(tmp_path, "step_2")
+    (folder / "__0_0.distcp").write_bytes(b"x" * 3 * 2**20)  # the last checkpoint took 3 MiB
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    with pytest.raises(OSError, match=r"no room for the next checkpoint .*: 1 MiB free .*step_2 took 3 MiB"):
+        checkpoints.check_room(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 0, 2**30))
+    checkpoints.check_room(tmp_path)  # room enough: nothing said
+
+    def save_until_the_disk_fills(state, checkpoint_id):
+        Path(checkpoint_id).mkdir(parents=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(trainer_checkpoint.dcp, "save", save_until_the_disk_fills)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30, 0))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    target = tmp_path / "checkpoints" / "step_4"
+    with pytest.raises(OSError, match=r"saving .*step_4 failed \(no space left on its filesystem: 0 MiB free"):
+        trainer_checkpoint.save_checkpoint(str(target), model, optimizer, schedule, str(tmp_path), rank=0)
+    assert not target.with_name("step_4.partial").exists()  # the resume command works: nothing to trip over
+    assert checkpoints.latest(tmp_path).name == "step_2"
