@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import io
 import math
 import os
 import resource
@@ -70,6 +71,32 @@ def limit_cpu(per_item_s: float | None, items: int) -> None:
 class WorkerLimits:
     memory_mb: int | None = None  # RLIMIT_AS of the worker process; None: unlimited
     cpu_s_per_item: float | None = None  # RLIMIT_CPU budget of each job, per item in it; None: unlimited
+    output_bytes: int = 2**20  # what the worker's code may print (stdout and stderr together); the rest is dropped
+
+
+class CappedOutput(io.TextIOBase):
+    """A text stream that passes on what is written until a budget shared with its siblings is spent, then one line
+    saying so: user code that prints without bound cannot flood the run's output or fill its disk."""
+
+    def __init__(self, stream, budget: list[int]):
+        self.stream, self.budget = stream, budget  # budget: [characters left], shared by stdout and stderr
+
+    def write(self, text: str) -> int:
+        if self.budget[0] > 0:
+            self.stream.write(text[: self.budget[0]])
+            self.budget[0] -= len(text)
+            if self.budget[0] <= 0:
+                self.stream.write("\n[rl_tpu: this worker printed more than its limit; the rest is dropped]\n")
+            self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def cap_output(limit: int) -> None:
+    budget = [limit]
+    sys.stdout, sys.stderr = CappedOutput(sys.stdout, budget), CappedOutput(sys.stderr, budget)
 
 
 def serve(
@@ -87,6 +114,7 @@ def serve(
     die_with_parent()
     setup, limits = inbox.recv()
     limit_memory(limits.memory_mb)
+    cap_output(limits.output_bytes)
     try:
         state, detail = load(setup)
     except Exception:
@@ -126,12 +154,20 @@ class WorkerPool:
         timeout_s: float,
         what: str,
         error: Callable[[str], Exception],
+        log_path: str | None = None,
     ):
         """`what` names the workers in errors ("reward worker for gsm8k"); `error` makes the exception raised when
-        one cannot start (its message given)."""
+        one cannot start (its message given); `log_path`: the file the workers' output is appended to (None: this
+        process's stdout)."""
         self.module, self.setup, self.env, self.timeout_s = module, setup, env, timeout_s
-        self.what, self.error = what, error
+        self.what, self.error, self.log_path = what, error, log_path
         self.workers = [self._spawn() for _ in range(count)]
+        self.closed = False  # set by close(), which another thread may call while `run` waits on the workers
+        self.running = False
+
+    @property
+    def size(self) -> int:
+        return len(self.workers)
 
     @property
     def detail(self) -> Any:
@@ -152,12 +188,21 @@ class WorkerPool:
 
         `give_up(outcomes)`, asked as answers arrive (None where there is none yet), stops the run early: the busy
         workers are replaced and every item without an answer gets `failed("cancelled", ...)`."""
+        self.running = True
+        try:
+            return self._run(items, batched, failed, shares_per_worker, give_up)
+        finally:
+            self.running = False
+            if self.closed:  # closed meanwhile: its workers were killed; reap them here
+                self._stop_all()
+
+    def _run(self, items: list, batched: bool, failed: Callable, shares_per_worker: int, give_up) -> list:
         outcomes: list = [None] * len(items)
         shares = len(self.workers) * (1 if batched else shares_per_worker)
         size = max(1, math.ceil(len(items) / shares))
         queue = deque(list(range(start, min(start + size, len(items)))) for start in range(0, len(items), size))
         done = 0
-        while done < len(items):
+        while done < len(items) and not self.closed:
             for worker in self.workers:
                 if not worker.in_flight and queue:
                     self._send(worker, queue.popleft(), items, batched)
@@ -168,6 +213,8 @@ class WorkerPool:
                 try:
                     message = inbox.recv()
                 except (EOFError, OSError):
+                    if self.closed:  # killed by close(): nothing to replace
+                        break
                     code = worker.process.wait()
                     done += self._lose(
                         worker, outcomes, queue, batched, failed("crash", f"the worker died (exit code {code})")
@@ -178,12 +225,14 @@ class WorkerPool:
                     worker.in_flight.remove(position)
                     done += 1
                 worker.deadline = time.monotonic() + self.timeout_s
-            for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline]:
+            for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline and not self.closed]:
                 timeout = failed("timeout", f"no answer within {self.timeout_s:g} s")
                 done += self._lose(worker, outcomes, queue, batched, timeout)
             if give_up is not None and done < len(items) and give_up(outcomes):
                 self._cancel(outcomes, failed("cancelled", "not run: the batch was given up"))
                 break
+        if self.closed:
+            outcomes = [failed("cancelled", "not run: the pool was closed") if o is None else o for o in outcomes]
         return outcomes
 
     def _cancel(self, outcomes: list, outcome: Any) -> None:
@@ -196,6 +245,16 @@ class WorkerPool:
                 outcomes[position] = outcome
 
     def close(self) -> None:
+        """Stop every worker. A `run` under way in another thread is not waited for: its workers are killed, and it
+        returns at its next wake-up (at once: their pipes close), its unanswered items cancelled."""
+        self.closed = True
+        if self.running:
+            for worker in self.workers:
+                worker.process.kill()
+            return
+        self._stop_all()
+
+    def _stop_all(self) -> None:
         for worker in self.workers:
             self._stop(worker)
         self.workers = []
@@ -203,12 +262,17 @@ class WorkerPool:
     def _spawn(self) -> _Worker:
         from_parent, to_child = os.pipe()
         from_child, to_parent = os.pipe()
+        log = open(self.log_path, "ab") if self.log_path else None  # the child keeps its own descriptor
         process = subprocess.Popen(
             [sys.executable, "-m", self.module, str(from_parent), str(to_parent)],
             pass_fds=(from_parent, to_parent),
             env=self.env,
             stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
         )
+        if log:
+            log.close()
         os.close(from_parent)
         os.close(to_parent)
         inbox, outbox = Connection(from_child, writable=False), Connection(to_child, readable=False)

@@ -93,11 +93,20 @@ class Workers:
         return gather(calls, "reporting locations", self.cfg.ray.start_timeout_s, self.log_dir)
 
     def shutdown(self) -> None:
-        for name, handle in reversed(self.actors()):  # engines first, as before the trainer ranks
-            try:
-                ray.get(handle.shutdown.remote(), timeout=60)
-            except Exception as err:  # a dead actor has nothing left to release
-                log.warning("shutdown of %s failed: %s", name, err)
+        """The engines, then the trainer ranks, each group at once, 60 s at most per group."""
+        engines = list(zip(self.samplers.names, self.samplers.engines))
+        for group in (engines, list(zip(self.trainer_names, self.trainers))):
+            calls = {handle.shutdown.remote(): name for name, handle in group}
+            if not calls:  # the run stopped before this group started
+                continue
+            done, late = ray.wait(list(calls), num_returns=len(calls), timeout=60)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as err:  # a dead actor has nothing left to release
+                    log.warning("shutdown of %s failed: %s", calls[ref], err)
+            for ref in late:
+                log.warning("shutdown of %s: no answer within 60 s; its placement is released anyway", calls[ref])
         self.reservation.release()  # also ends the actors placed in it
 
 

@@ -222,7 +222,8 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
     check_inputs(cfg, model_path, train_examples)
-    grader = Grader(cfg.reward, cfg.custom_reward_function)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    grader = Grader(cfg.reward, cfg.custom_reward_function, str(run_dir / "logs"))
     show_progress = show_progress and Tracker.console in cfg.trainer.logger
     logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress, tracking.for_run(cfg, run_dir), started)
     try:

@@ -146,7 +146,8 @@ class Grades:
 
 
 class Grader:
-    def __init__(self, reward: RewardConfig, alias: CustomRewardConfig | None = None):
+    def __init__(self, reward: RewardConfig, alias: CustomRewardConfig | None = None, log_dir: str | None = None):
+        """`log_dir`: where the workers' output goes (`reward_workers.log`, each worker's capped); None: stdout."""
         self.sources = reward_sources(reward, alias or CustomRewardConfig())
         self.weights = {s.label: s.weight for s in self.sources}
         self.primary = self.sources[0].label
@@ -162,6 +163,7 @@ class Grader:
             reward.timeout_s,
             f"reward worker for {self.describe()}",
             RewardError,
+            os.path.join(log_dir, "reward_workers.log") if log_dir else None,
         )
         self.batched = self.pool.detail
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grader")  # one batch at a time, off the caller
@@ -180,9 +182,7 @@ class Grader:
             samples,
             self.batched,
             lambda kind, message: ("fail", self.describe(), kind, message),
-            give_up=lambda outcomes: self._too_many(
-                sum(o is not None and o[0] == "fail" for o in outcomes), len(outcomes)
-            ),
+            give_up=self._give_up,
         )
         grades = self._collect(outcomes)
         grades.seconds = time.perf_counter() - start
@@ -190,8 +190,9 @@ class Grader:
         return grades
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        """Stop the workers; a batch under way (a second signal while a plugin hangs) is not waited for."""
         self.pool.close()
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     # -- results ------------------------------------------------------------------------------
 
@@ -216,9 +217,16 @@ class Grader:
         return Grades(scores, components, extras, failures)
 
     def _too_many(self, failures: int, samples: int) -> bool:
-        """More than `reward.max_failure_rate` of the batch failed: judged as results arrive, so that a plugin that
-        hangs stops the run after a few timeouts, not after the whole batch has timed out."""
         return failures > self.max_failure_rate * samples
+
+    def _give_up(self, outcomes: list) -> bool:
+        """Judged as results arrive: more than `reward.max_failure_rate` of the batch failed already, or the first
+        samples all failed (at least two per worker, and eight): a plugin that hangs or fails on everything stops the
+        run after a few timeouts, not after the whole batch (at 512 samples, a tenth of it)."""
+        answered = [o for o in outcomes if o is not None]
+        failures = sum(o[0] == "fail" for o in answered)
+        first_all_failed = failures == len(answered) >= max(2 * self.pool.size, 8) and self.max_failure_rate < 1.0
+        return self._too_many(failures, len(outcomes)) or first_all_failed
 
     def _report(self, grades: Grades, samples: list[Sample]) -> None:
         cancelled = sum(f.kind == "cancelled" for f in grades.failures)
@@ -234,12 +242,19 @@ class Grader:
                 failure.kind,
                 last_line,
             )
-        if failures and self._too_many(len(failures), len(samples)):
+        if cancelled and not failures:  # the pool was closed under way: the run is stopping
+            reason = next(f.message for f in grades.failures if f.kind == "cancelled")
+            raise RewardError(f"reward {self.describe()}: {cancelled} of {len(samples)} samples {reason}")
+        if failures and (self._too_many(len(failures), len(samples)) or cancelled):
             first = failures[0]
             where = self.locations.get(first.reward, ", ".join(self.locations.values()))
             stopped = f" ({cancelled} more not scored: the batch was stopped there)" if cancelled else ""
+            why = (
+                f"more than reward.max_failure_rate={self.max_failure_rate:g}"
+                if self._too_many(len(failures), len(samples))
+                else "and no sample before them scored"
+            )
             raise RewardError(
                 f"reward {first.reward} ({where}): {len(failures)} of {len(samples)} samples failed to score{stopped}, "
-                f"more than reward.max_failure_rate={self.max_failure_rate:g}; first failure (sample {first.index}, "
-                f"{first.kind}):\n{first.message}"
+                f"{why}; first failure (sample {first.index}, {first.kind}):\n{first.message}"
             )

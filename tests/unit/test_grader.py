@@ -33,6 +33,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             pass
     if ground_truth == "env":
         return float(os.environ.get("RL_TPU_TEST_SECRET") == "s3cret") + 2 * float(os.environ.get("RL_TPU_TEST_KEPT") == "yes")
+    if ground_truth == "chatty":  # 10 MB of prints a call
+        print("x" * 10_000_000)
+        import sys
+        print("to stderr", file=sys.stderr)
     if ground_truth.startswith("type:"):
         import numpy, torch
         return {"bool": True, "np32": numpy.float32(0.25), "np_int": numpy.int64(1), "tensor": torch.tensor(0.5),
@@ -121,6 +125,51 @@ def test_a_hung_plugin_stops_the_run_as_soon_as_the_failure_rate_cannot_be_met(p
         assert grader.grade(samples(["a"] * 4)).scores == [1.0] * 4
     finally:
         grader.close()
+
+
+def test_a_plugin_that_hangs_on_everything_stops_a_default_size_batch_after_a_few_timeouts(plugin):
+    """512 samples (the default evaluation), 10% allowed: 52 timeouts would break the rate, but the first eight
+    answers all failed, which stops the batch there: a few timeouts per worker, not 512 / 2 of them."""
+    grader = grader_for(plugin, timeout_s=1.0, max_failure_rate=0.1)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"8 of 512 samples failed to score"):
+            grader.grade(samples(["sleep"] * 512))
+        assert time.monotonic() - start < 30  # 4 timeouts of 1 s per worker, and the workers' restarts
+    finally:
+        grader.close()
+    # a plugin that fails on a few samples, with answers among them, is judged by the rate alone
+    grader = grader_for(plugin, timeout_s=1.0, max_failure_rate=0.5)
+    try:
+        grades = grader.grade(samples(["raise"] * 7 + ["a"] + ["raise"] * 4 + ["a"] * 12))
+        assert grades.scores.count(0.0) == 11 and grades.scores.count(1.0) == 13
+    finally:
+        grader.close()
+
+
+def test_closing_during_a_hung_batch_returns_at_once_and_leaves_no_worker(plugin):
+    """What a second SIGTERM does while a plugin hangs: the driver's cleanup does not wait for the batch."""
+    grader = grader_for(plugin, timeout_s=30.0)
+    processes = [worker.process for worker in grader.pool.workers]
+    future = grader.submit(samples(["sleep"] * 8))
+    time.sleep(1.0)  # the workers are inside the plugin's sleep
+    start = time.monotonic()
+    grader.close()
+    assert time.monotonic() - start < 2.0
+    with pytest.raises(RewardError, match="not run: the pool was closed"):
+        future.result(timeout=10)
+    assert all(process.poll() is not None for process in processes)
+
+
+def test_a_plugins_output_goes_to_the_workers_log_capped(plugin, tmp_path):
+    grader = Grader(RewardConfig(custom=CustomRewardConfig(path=str(plugin)), num_workers=2), log_dir=str(tmp_path))
+    try:
+        assert grader.grade(samples(["chatty"] * 6, answer="chatty")).scores == [1.0] * 6
+    finally:
+        grader.close()
+    log = (tmp_path / "reward_workers.log").read_text()
+    assert 2**20 <= len(log) < 2 * (2**20 + 1000)  # 60 MB printed; each of the two workers passed on 1 MiB
+    assert log.count("printed more than its limit; the rest is dropped") == 2
 
 
 def test_dict_results_log_their_numeric_fields(plugin):
