@@ -62,6 +62,7 @@ def summary(run_dir: Path) -> dict:
         "sync_s_mean": statistics.mean(r["time/sync_s"] for r in steps),
         "train_s_mean": statistics.mean(r["time/train_s"] for r in steps),
         "trainer_peak_rss_mb": max(r["perf/trainer_peak_rss_mb"] for r in steps),
+        "logprob_diff_max": max(r["actor/logprob_diff"] for r in steps),  # engine against trainer, every step
         "load_avg_after": (run_dir / "loadavg.txt").read_text().strip(),
     }
 

@@ -16,6 +16,7 @@ import torch
 
 from rl_tpu.models.hf import stored_weights
 from rl_tpu.records import WeightBundle
+from rl_tpu.sampler.cpu_lora import use_one_matmul_per_adapter
 from rl_tpu.sync.bundle import check_adapter, check_kind, named_checksum
 
 
@@ -75,6 +76,10 @@ class ServedAdapters:
     """The adapters an engine holds, the one it serves, and the checksum of the base they apply to."""
 
     def __init__(self, llm, serving: AdapterServing, model_path: str, dtype: torch.dtype):
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():  # every token uses the same adapter: one matmul, not a per-token gather
+            use_one_matmul_per_adapter()
         self.llm, self.serving = llm, serving
         # computed from the weights the engine loaded (its own copy of the model folder): vLLM's CPU build packs
         # its weights for its kernels and cannot give them back

@@ -138,11 +138,11 @@ def test_a_plugin_that_hangs_on_everything_stops_a_default_size_batch_after_a_fe
         assert time.monotonic() - start < 30  # 4 timeouts of 1 s per worker, and the workers' restarts
     finally:
         grader.close()
-    # a plugin that fails on a few samples, with answers among them, is judged by the rate alone
+    # fewer failures than that at the start, whatever order they arrive in: judged by the rate alone
     grader = grader_for(plugin, timeout_s=1.0, max_failure_rate=0.5)
     try:
-        grades = grader.grade(samples(["raise"] * 7 + ["a"] + ["raise"] * 4 + ["a"] * 12))
-        assert grades.scores.count(0.0) == 11 and grades.scores.count(1.0) == 13
+        grades = grader.grade(samples(["raise"] * 7 + ["a"] * 17))
+        assert grades.scores == [0.0] * 7 + [1.0] * 17
     finally:
         grader.close()
 
