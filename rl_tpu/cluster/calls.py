@@ -2,7 +2,8 @@
 
 Every wait on an actor goes through `gather`: it returns as soon as every call has answered,
 raises at the first failure (so a rank that raised is reported at once, not after its peers
-time out in a collective), and stops after `timeout_s` naming who did not answer.
+time out in a collective; within a 2 s grace, a peer's death that broke its collective is reported
+instead, which a restart repairs), and stops after `timeout_s` naming who did not answer.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def gather(calls: Sequence[tuple[str, Any]], what: str, timeout_s: float, log_di
                 f"{what}: {names[ref]} died{_logs([ref], names, log_dir)}: {err}", names[ref], lost=True
             ) from err
         except RayTaskError as err:
+            # a rank whose collective broke because a peer died raises too, often before Ray reports the death:
+            # a lost peer is what a restart repairs, so it is the error reported
+            dead = _died_meanwhile(pending, PEER_DEATH_GRACE_S)
+            if dead is not None:
+                raise ActorError(
+                    f"{what}: {names[dead]} died{_logs([dead], names, log_dir)} ({names[ref]} failed with it)",
+                    names[dead],
+                    lost=True,
+                ) from err
             raise ActorError(
                 f"{what} failed in {names[ref]}{_logs([ref], names, log_dir)}:\n{err}", names[ref]
             ) from err
@@ -56,6 +66,27 @@ def gather(calls: Sequence[tuple[str, Any]], what: str, timeout_s: float, log_di
                 names[ref],
             ) from err
     return [results[ref] for _, ref in calls]
+
+
+PEER_DEATH_GRACE_S = 2.0  # how long a failed call's peers are watched for a death that caused the failure
+
+
+def _died_meanwhile(pending: list, grace_s: float):
+    """The first of the `pending` calls whose actor died, within `grace_s`; None if none did."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    if not pending:
+        return None
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError:
+            return ref
+        except Exception:  # another failure of its own: not a death
+            continue
+    return None
 
 
 def _logs(refs, names: dict, log_dir: str | Path | None) -> str:
