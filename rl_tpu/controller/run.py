@@ -236,10 +236,9 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
             )
         if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
             log.warning(why)
-        if cfg.actor.lora.enabled:
-            if cfg.actor.lora.sync == "auto" and kind == "tpu":  # before any actor reads cfg.lora_sync
-                cfg.actor.lora.sync = "merged"
-            log.info("LoRA rank %d: each weight sync sends %s", cfg.actor.lora.lora_rank, LORA_SENDS[cfg.lora_sync])
+        if cfg.actor.lora.enabled:  # the actors get the resolved device, from which `lora_sync` decides the same
+            sends = LORA_SENDS[dataclasses.replace(cfg, device=kind).lora_sync]
+            log.info("LoRA rank %d: each weight sync sends %s", cfg.actor.lora.lora_rank, sends)
         log.info(
             "model %s, %d train / %d eval prompts, reward %s, device %s",
             model_path,
