@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +16,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# each xdist worker's runs lease cores among themselves only: the workers share the host on purpose, and a run's
+# pinning (the core-loan tests) must not depend on what the other worker runs meanwhile
+os.environ.setdefault("RL_TPU_CORE_LEASE_DIR", tempfile.mkdtemp(prefix="rl_tpu-cores-"))
 
 
 def ship_by_value(module_name: str) -> None:

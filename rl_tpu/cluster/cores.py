@@ -11,6 +11,9 @@ imported); the cores are positions in the node's CPU list, which the actor maps 
 allowed CPUs and pins every thread of its process to, before it starts its engine or its
 process group (threads started later inherit the mask).
 
+Runs that share a node (a sweep's trials at once) pin disjoint cores: each run leases its block of core
+positions on each node (`CoreLease`) and holds it until its actors stop.
+
 With `trainer.borrow_idle_cores`, a pinned rank also gets a `CoreLoan`: its node's engine cores,
 which it computes on while those engines are idle (rl_tpu/cluster/core_loan.py).
 """
@@ -19,9 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from rl_tpu.config import RunConfig, value_of
 
@@ -70,6 +77,84 @@ class CpuBinding:
         return {allowed[i] for i in (self.cores if positions is None else positions)}
 
 
+class CoreLease:
+    """A block of consecutive core positions of this node, held for one run: the first free block of `count`.
+
+    Each position is a lock file under `folder` held with `flock` while the lease lives; the kernel drops the locks
+    of a process that dies, so a crashed run's cores are free again at once and nothing stale needs cleaning.
+    """
+
+    def __init__(self, count: int, node_cores: int, folder: str):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.locks: list = []
+        self.first: int | None = None  # None: no block of `count` free positions
+        for first in range(node_cores - count + 1):
+            if self._take(folder, range(first, first + count)):
+                self.first = first
+                return
+
+    def _take(self, folder: str, positions: range) -> bool:
+        for position in positions:
+            lock = open(Path(folder) / f"core_{position}.lock", "a")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                self.release()
+                return False
+            self.locks.append(lock)
+        return True
+
+    def first_position(self) -> int | None:
+        return self.first
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.close()  # closing the file drops its lock
+        self.locks = []
+
+
+def lease_folder() -> str:
+    """Where a node's lease lock files live: the runs that use one folder lease disjoint cores. `RL_TPU_CORE_LEASE_DIR`
+    sets it (the test suite gives each of its workers its own: they share a host on purpose)."""
+    return os.environ.get("RL_TPU_CORE_LEASE_DIR") or os.path.join(tempfile.gettempdir(), "rl_tpu-cores")
+
+
+class CoreLeases:
+    """A run's core leases on every node it pins actors on: this node's held by the driver, another node's by a
+    small actor placed there. Held until `release`, when the run's actors stop."""
+
+    def __init__(self, here: str):
+        self.here, self.folder = here, lease_folder()
+        self.local: list[CoreLease] = []
+        self.holders: list = []  # Ray actors holding other nodes' leases
+
+    def take(self, node: str, count: int, node_cores: int) -> int | None:
+        """The first of `count` consecutive core positions of `node` leased to this run; None: none free."""
+        if node == self.here:
+            self.local.append(CoreLease(count, node_cores, self.folder))
+            return self.local[-1].first
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        holder = (
+            ray.remote(CoreLease)
+            .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote(count, node_cores, self.folder)
+        )
+        self.holders.append(holder)
+        return ray.get(holder.first_position.remote(), timeout=60)
+
+    def release(self) -> None:
+        import ray
+
+        for lease in self.local:
+            lease.release()
+        for holder in self.holders:
+            ray.kill(holder)  # its process ends, and with it its locks
+        self.local, self.holders = [], []
+
+
 def pin_threads(cpus: set[int]) -> None:
     """Pin every thread of this process to `cpus` (threads started later inherit the caller's mask)."""
     for task in os.listdir("/proc/self/task"):
@@ -96,12 +181,14 @@ def bind(
     pin: bool,
     node_cores: dict[str, int],
     activity_folder: str,
+    lease: Callable[[str, int, int], int | None] | None = None,
 ) -> tuple[list[CpuBinding], list[CpuBinding]]:
     """Each trainer rank's and each engine's binding; `*_nodes` is where each was placed.
 
-    Pinned, the actors on a node take consecutive cores, ranks first. When they need more cores
-    than the node has (`node_cores`), none of that node's actors is pinned, with a warning naming
-    the counts: sharing cores unpinned is slower, not wrong. With `trainer.borrow_idle_cores` the
+    Pinned, the actors on a node take consecutive cores, ranks first, from the first position of the block
+    `lease(node, count, node_cores)` gives the run (`CoreLeases.take`; None: from 0). When they need more cores
+    than the node has (`node_cores`), or other runs hold them, none of that node's actors is pinned, with a
+    warning naming the counts: sharing cores unpinned is slower, not wrong. With `trainer.borrow_idle_cores` the
     pinned ranks of a node share its engines' cores as loans (`activity_folder` names the run's
     folder of activity files).
     """
@@ -127,7 +214,15 @@ def bind(
                 node_cores[node],
             )
             continue
-        first = 0
+        first = lease(node, needed, node_cores[node]) if lease else 0
+        if first is None:
+            log.warning(
+                "pin_cores: node %s has no %d consecutive cores free of other runs' pinned actors (a sweep's trials "
+                "at once?); this run's actors there run unpinned",
+                node[:12],
+                needed,
+            )
+            continue
         for i in on_node:
             bindings[i] = CpuBinding(bindings[i].threads, tuple(range(first, first + bindings[i].threads)))
             first += bindings[i].threads

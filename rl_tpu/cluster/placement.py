@@ -337,26 +337,30 @@ def reserve(plan: Plan, timeout_s: float) -> Reservation:
     return reservation
 
 
-def _free_address() -> tuple[str, int]:
-    import socket
+class RendezvousStore:
+    """The trainer ranks' rendezvous: torch's TCPStore, hosted by the driver for one start of the actors.
 
-    import ray
+    The store binds a port the OS picks and holds it until closed: a port probed, released and bound later by
+    rank 0 can be taken in between by any process of the node. The ranks, rank 0 too, connect as clients
+    (`AGENT_STORE_ENV`, torch's switch for a store hosted outside the ranks, as torchrun's agent hosts it); after
+    the rendezvous gloo connects the ranks to each other directly.
+    """
 
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return ip, s.getsockname()[1]
+    def __init__(self, world_size: int, timeout_s: float):
+        from datetime import timedelta
+
+        import ray
+        import torch.distributed as dist
+
+        self.host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self.store = dist.TCPStore(
+            self.host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        self.port = self.store.port
 
 
-def free_address_on(node_id: str, timeout_s: float) -> tuple[str, int]:
-    """This node's IP and a port free on it now: where trainer rank 0 on that node hosts the rendezvous."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    probe = ray.remote(num_cpus=0)(_free_address).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-    )
-    return tuple(ray.get(probe.remote(), timeout=timeout_s))
+# a trainer rank's environment: it is a client of the store `RendezvousStore` holds
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def where_am_i() -> dict[str, str | int]:

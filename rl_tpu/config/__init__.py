@@ -282,6 +282,8 @@ class TrainerConfig:
     logger: list[Tracker] = field(default_factory=lambda: [Tracker.console, Tracker.jsonl, Tracker.tensorboard])
     project_name: str = "rl_tpu"  # the trackers' project
     experiment_name: Optional[str] = None  # the trackers' name for the run; None: the run folder's name
+    # write what each step trained on to <this folder>/<step>.jsonl (verl's key and fields; rl_tpu/outputs/rollout_log.py)
+    rollout_data_dir: Optional[str] = None
     plots: bool = True  # when the run ends, plot its metrics into plots/ (rl_tpu/outputs/plots.py)
 
     @property

@@ -45,6 +45,8 @@ class Workers:
     reservation: placement.Reservation
     cfg: RunConfig
     log_dir: str
+    rendezvous: placement.RendezvousStore | None = None  # the trainer ranks', held while they run
+    core_leases: cpu_binding.CoreLeases | None = None  # pinned runs: the cores this run holds on each node
 
     @property
     def trainer_names(self) -> list[str]:
@@ -108,6 +110,9 @@ class Workers:
             for ref in late:
                 log.warning("shutdown of %s: no answer within 60 s; its placement is released anyway", calls[ref])
         self.reservation.release()  # also ends the actors placed in it
+        self.rendezvous = None  # closes the store's port
+        if self.core_leases is not None:
+            self.core_leases.release()
 
 
 def start_workers(
@@ -124,7 +129,8 @@ def start_workers(
     try:
         check_transport_reach(cfg, reservation)
         actor_cfg = dataclasses.replace(cfg, device=kind)  # resolved again on each actor's node
-        trainer_cores, engine_cores = bind_cores(cfg, kind, reservation)
+        workers.core_leases = cpu_binding.CoreLeases(ray.get_runtime_context().get_node_id())
+        trainer_cores, engine_cores = bind_cores(cfg, kind, reservation, workers.core_leases)
         _start_trainers(workers, actor_cfg, model_path, log_dir, trainer_cores)
         _start_engines(workers, actor_cfg, model_path, log_dir, engine_cores)
         # start-up errors (a bad model folder, a missing device) surface here, named, not at the first step
@@ -146,8 +152,11 @@ def start_workers(
     return workers
 
 
-def bind_cores(cfg: RunConfig, kind: str, reservation: placement.Reservation) -> tuple[list, list]:
-    """Each trainer rank's and engine's `CpuBinding` (threads, and cores when `pin_cores` pins them)."""
+def bind_cores(
+    cfg: RunConfig, kind: str, reservation: placement.Reservation, leases: cpu_binding.CoreLeases
+) -> tuple[list, list]:
+    """Each trainer rank's and engine's `CpuBinding` (threads, and cores when `pin_cores` pins them, from the
+    blocks `leases` takes for this run)."""
     plan = reservation.plan
     trainer_nodes = [reservation.trainer_node(r) for r in range(cfg.trainer.world_size)]
     engine_nodes = [reservation.sampler_node(e) for e in range(plan.num_engines)]
@@ -157,18 +166,20 @@ def bind_cores(cfg: RunConfig, kind: str, reservation: placement.Reservation) ->
         node_cores[here] = len(os.sched_getaffinity(0))
     one_host = set(trainer_nodes + engine_nodes) == {here}
     pin = cpu_binding.should_pin(cfg, kind, one_host)
-    return cpu_binding.bind(cfg, trainer_nodes, engine_nodes, pin, node_cores, f"rl_tpu-{uuid.uuid4().hex[:12]}")
+    folder = f"rl_tpu-{uuid.uuid4().hex[:12]}"
+    return cpu_binding.bind(cfg, trainer_nodes, engine_nodes, pin, node_cores, folder, leases.take)
 
 
 def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
     reservation = workers.reservation
-    master_addr, master_port = placement.free_address_on(reservation.trainer_node(0), cfg.ray.start_timeout_s)
+    store = workers.rendezvous = placement.RendezvousStore(cfg.trainer.world_size, cfg.ray.start_timeout_s)
     trainer_cls = ray.remote(TrainerWorker)
+    env = {**trainer_env(cfg.trainer, model_path), **placement.AGENT_STORE_ENV}
     for rank, binding in enumerate(bindings):
         options = reservation.trainer_options(rank)
         workers.trainers.append(
-            trainer_cls.options(**options, runtime_env={"env_vars": trainer_env(cfg.trainer, model_path)}).remote(
-                cfg, str(model_path), rank, cfg.trainer.world_size, master_addr, master_port, log_dir, binding
+            trainer_cls.options(**options, runtime_env={"env_vars": env}).remote(
+                cfg, str(model_path), rank, cfg.trainer.world_size, store.host, store.port, log_dir, binding
             )
         )
 

@@ -56,6 +56,7 @@ RESUME_MAY_CHANGE = (
     *(f"trainer.{key}" for key in ("total_steps", "eval_every", "eval_pass_k", "export", "push_to_hub", "plots")),
     *(f"trainer.{key}" for key in ("checkpoint_every", "checkpoint_final", "keep_last", "max_skipped_steps")),
     *(f"trainer.{key}" for key in ("resume", "max_restarts", "logger", "project_name", "experiment_name")),
+    "trainer.rollout_data_dir",
     "reward.num_workers",
 )
 

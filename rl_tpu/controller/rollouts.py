@@ -12,7 +12,6 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from rl_tpu.config import RunConfig
@@ -20,7 +19,7 @@ from rl_tpu.controller import batch_shaping
 from rl_tpu.controller.actors import Workers
 from rl_tpu.controller.batch_shaping import GradedBatch
 from rl_tpu.data.datasets import Example, derived_seed
-from rl_tpu.grader.grader import Grader, Grades, Sample
+from rl_tpu.grader.grader import Grader, Grades, Grading, Sample
 from rl_tpu.records import Rollout
 from rl_tpu.sampler.engine import SamplingSettings
 from rl_tpu.sampler.pool import PendingRollouts
@@ -40,14 +39,32 @@ def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig, bat
     return workers.samplers.generate([p.prompt_ids for p in prompts], settings, seeds, tools_kwargs)
 
 
-def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Future:
-    """Start grading the decoded completions; the future's result is `Grades`, in rollout order."""
+def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Grading:
+    """Start grading the decoded completions; the result is `Grades`, in rollout order."""
     samples = []
     for rollout in rollouts:
         example = prompts[rollout.group]
         text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
         samples.append(Sample(example.data_source, text, example.ground_truth, example.extra_info))
     return grader.submit(samples)
+
+
+def dump_rows(batch: GradedBatch, tokenizer) -> list[dict]:
+    """A step's trained samples as `trainer.rollout_data_dir` records them (rl_tpu/outputs/rollout_log.py)."""
+    rows = []
+    for rollout, score in zip(batch.rollouts, batch.grades.scores):
+        example = batch.prompts[rollout.group]
+        rows.append(
+            {
+                "index": example.row,
+                "input": tokenizer.decode(rollout.prompt_ids, skip_special_tokens=True),
+                "output": tokenizer.decode(rollout.completion_ids, skip_special_tokens=True),
+                "gts": example.ground_truth,
+                "score": score,
+                "weight_version": rollout.weight_version,
+            }
+        )
+    return rows
 
 
 def with_tool_rewards(grades: Grades, rollouts: list[Rollout], source: str) -> Grades:

@@ -32,7 +32,7 @@ from rl_tpu.controller import evaluation
 from rl_tpu.controller.actors import Workers, start_workers, tool_settings
 from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resumed_settings, validate
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
-from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue
+from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue, dump_rows
 from rl_tpu.controller.step import grpo_step
 from rl_tpu.data.arithmetic import ensure_arithmetic_dataset
 from rl_tpu.data.datasets import Example, batches, load_examples
@@ -40,7 +40,7 @@ from rl_tpu.episodes.tools import ToolBox
 from rl_tpu.grader.grader import Grader
 from rl_tpu.models import precision
 from rl_tpu.models.resolve import check_decoder, resolve_model_path
-from rl_tpu.outputs import checkpoints, plots, tracking
+from rl_tpu.outputs import checkpoints, plots, rollout_log, tracking
 from rl_tpu.outputs.export import push_to_hub, write_model_card
 from rl_tpu.outputs.metrics import MetricsLogger, final_accuracy
 
@@ -145,8 +145,10 @@ def train(job: Job, restarted: bool) -> None:
         for step in range(start_step + 1, total + 1):
             if job.stop.requested:
                 stop_early(job, workers, step - 1, saved, queue, kl)
-            metrics, prompts = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg, kl)
-            guard.observe(step, metrics, prompts)
+            metrics, trained = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg, kl)
+            guard.observe(step, metrics, trained.prompts)
+            if cfg.trainer.rollout_data_dir:
+                rollout_log.write_step(cfg.trainer.rollout_data_dir, step, dump_rows(trained, job.tokenizer))
             pending_eval = None
             if step % cfg.trainer.eval_every == 0 or step == total:
                 pending_eval = evaluation.start_eval(workers.samplers, job.eval_examples, cfg, step == total)

@@ -10,8 +10,8 @@ from rl_tpu.algorithms import core as algorithms
 from rl_tpu.algorithms.kl_reward import KLInReward
 from rl_tpu.config import RunConfig
 from rl_tpu.controller.actors import Workers
+from rl_tpu.controller.batch_shaping import GradedBatch
 from rl_tpu.controller.rollouts import RolloutQueue, collect, episode_metrics
-from rl_tpu.data.datasets import Example
 from rl_tpu.grader.grader import Grader
 from rl_tpu.records import TrainBatch
 
@@ -24,9 +24,9 @@ def grpo_step(
     grader: Grader,
     cfg: RunConfig,
     kl: KLInReward | None = None,
-) -> tuple[dict[str, float], list[Example]]:
+) -> tuple[dict[str, float], GradedBatch]:
     """One step: the batch's rollouts (graded, shaped), advantages (less `kl`'s penalties when the reward holds
-    the KL), the update, the weights to the sampler. Returns the step's metrics and the prompts it trained on."""
+    the KL), the update, the weights to the sampler. Returns the step's metrics and what it trained on."""
     t0 = time.perf_counter()
     sampled = collect(step, queue, tokenizer, grader, cfg)
     rollouts, grades = sampled.batch.rollouts, sampled.batch.grades
@@ -91,7 +91,7 @@ def grpo_step(
         "sync/mb_per_s": bundle.num_bytes / 2**20 / (t4 - t3),
         **install_metrics(received),
         **sampled.shares,
-    }, sampled.batch.prompts
+    }, sampled.batch
 
 
 def install_metrics(received: dict[str, float]) -> dict[str, float]:

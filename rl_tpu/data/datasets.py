@@ -57,6 +57,7 @@ class Example:
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any]
+    row: int = -1  # its row in the data file, from 0 (what `trainer.rollout_data_dir` records as `index`)
 
     @property
     def tools_kwargs(self) -> dict[str, Any]:
@@ -262,7 +263,7 @@ def load_examples(
                 )
             overlong.append(index)
             continue
-        examples.append(Example(prompt_ids, source, truth, extra_info))
+        examples.append(Example(prompt_ids, source, truth, extra_info, index))
     if overlong:
         log.warning(
             "%s: skipped %d of %d prompts longer than data.max_prompt_length=%d tokens (rows %s%s)",

@@ -8,7 +8,8 @@ returned something that is not a finite number scores 0.0, is counted, and is lo
 its index and the error. Only when more than `reward.max_failure_rate` of one batch fails
 does the run stop, with `RewardError` naming the plugin and the first traceback.
 
-`Grader.submit` returns a future, so the controller can grade while the sampler generates.
+`Grader.submit` returns a `Grading`, so the controller can grade while the sampler generates; its `result`
+waits no longer than the workers may take for that many samples, then names the rewards it waited for.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from rl_tpu.grader.processes import RewardSource, Sample
 log = logging.getLogger(__name__)
 
 CUSTOM = "custom"  # the key of the plugin in reward.combine and in metrics
+# a worker's start-up (spawn, imports, loading the plugin), allowed per sample on top of reward.timeout_s
+WORKER_START_S = 30.0
 
 
 class RewardError(RuntimeError):
@@ -145,6 +148,26 @@ class Grades:
         )
 
 
+@dataclass
+class Grading:
+    """A batch being graded in the background."""
+
+    future: Future
+    samples: int
+    deadline_s: float  # the longest the workers may take: every sample timing out, every worker replaced
+    rewards: str
+
+    def result(self) -> Grades:
+        try:
+            return self.future.result(timeout=self.deadline_s)
+        except TimeoutError:
+            raise RewardError(
+                f"reward {self.rewards}: grading {self.samples} samples gave no result within {self.deadline_s:.0f} s, "
+                "the longest its workers may take (reward.timeout_s per sample over reward.num_workers, each worker "
+                "replaced): the grader is stuck"
+            ) from None
+
+
 class Grader:
     def __init__(self, reward: RewardConfig, alias: CustomRewardConfig | None = None, log_dir: str | None = None):
         """`log_dir`: where the workers' output goes (`reward_workers.log`, each worker's capped); None: stdout."""
@@ -172,9 +195,11 @@ class Grader:
         """The rewards by name, as logged for failures no single function can be blamed for (timeouts, crashes)."""
         return "+".join(self.weights)
 
-    def submit(self, samples: list[Sample]) -> Future:
-        """Grade in the background; the future's result is `Grades` (or `RewardError`)."""
-        return self._thread.submit(self.grade, samples)
+    def submit(self, samples: list[Sample]) -> Grading:
+        """Grade in the background; the result is `Grades` (or `RewardError`)."""
+        per_worker = math.ceil(len(samples) / self.pool.size)
+        deadline = per_worker * (self.pool.timeout_s + WORKER_START_S) + WORKER_START_S
+        return Grading(self._thread.submit(self.grade, samples), len(samples), deadline, self.describe())
 
     def grade(self, samples: list[Sample]) -> Grades:
         start = time.perf_counter()

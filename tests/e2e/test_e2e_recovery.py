@@ -10,10 +10,12 @@ import subprocess
 import textwrap
 import time
 
+import psutil
 import pytest
 from conftest import actor_pid, run_cli, start_cli, wait_for_step
 from test_e2e import assert_same_steps
 
+from rl_tpu.outputs import rollout_log
 from rl_tpu.outputs.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
@@ -110,28 +112,90 @@ def test_a_non_finite_loss_skips_that_update_and_the_run_goes_on(tmp_path):
     assert metrics[-1]["step"] == 4 and metrics[-1]["sync/version"] == 4  # the run went on to the end
 
 
-ASYNC_DYNAMIC = (
-    "trainer.max_staleness=2",
-    "algorithm.filter_groups.enable=true",
-    "custom_reward_function.path=tests/fixtures/rewards/digits.py",  # learnable from random weights: they move
-    "trainer.world_size=1",
-    "trainer.total_steps=6",
-    "trainer.checkpoint_every=3",
-)
+def async_dynamic(staleness: int, run_dir) -> tuple[str, ...]:
+    return (
+        f"trainer.max_staleness={staleness}",
+        "algorithm.filter_groups.enable=true",
+        "custom_reward_function.path=tests/fixtures/rewards/digits.py",  # learnable from random weights: they move
+        "trainer.world_size=1",
+        "trainer.total_steps=6",
+        "trainer.checkpoint_every=0",
+        "trainer.eval_every=6",  # evaluations at the start and the end only: they are not what is compared
+        f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
+    )
 
 
-def test_an_async_run_resumes_exactly_on_the_generations_it_had_queued(tmp_path):
-    """max_staleness=2 with dynamic sampling, resumed from step 3's checkpoint: steps 4-6 equal those of the run
-    that never stopped, since the checkpoint saved the batches queued ahead (generated with older weights than its
-    own) and the prompt stream's position counts generation batches, not steps."""
-    run_cli(tmp_path / "whole", tmp_path / "cache", *ASYNC_DYNAMIC)
-    checkpoint = tmp_path / "whole" / "checkpoints" / "step_3"
-    queued = json.loads((checkpoint / "queued.json").read_text())
-    assert len(queued) == 3 and all(batch["rollouts"] for batch in queued)  # max_staleness + 1 batches ahead
-    run_cli(tmp_path / "resumed", tmp_path / "cache", *ASYNC_DYNAMIC, f"trainer.resume_from={checkpoint}")
-    rows = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [3, 4, 5, 6]
-    # step 4 trained on what the first run queued: weights older than the checkpoint's v3, which a batch made
-    # again after the resume would have come from
-    assert rows[1]["rollout/weight_version"] < 3
-    assert_same_steps(rows[1:], tmp_path / "whole", keys=("data/gen_batches", "rollout/weight_version"))
+def trained_prompts(run_dir) -> dict[int, list[int]]:
+    """Each step's trained prompts, by their row in the training file (a prompt once per sample)."""
+    return {step: [row["index"] for row in rows] for step, rows in rollout_log.read_steps(run_dir / "rollouts").items()}
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_an_async_run_stopped_by_sigterm_resumes_exactly_on_the_generations_it_had_queued(staleness, tmp_path):
+    """Async with dynamic sampling, stopped by SIGTERM and resumed with `trainer.resume=auto`: the steps after the
+    stop equal those of the run that never stopped, and so do the prompts trained over the run, since the
+    checkpoint saved the batches queued ahead (generated with older weights than its own) and the prompt stream's
+    position counts generation batches, not steps."""
+    whole, run_dir = tmp_path / "whole", tmp_path / "run"
+    run_cli(whole, tmp_path / "cache", *async_dynamic(staleness, whole))
+    process = start_cli(run_dir, tmp_path / "cache", *async_dynamic(staleness, run_dir))
+    wait_for_step(run_dir, 2, process)
+    process.send_signal(signal.SIGTERM)
+    output = finish(process, run_dir, timeout_s=120)
+    assert process.returncode == 143, output[-3000:]
+    stopped = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]
+    assert 2 <= stopped < 6
+    queued = json.loads((run_dir / "checkpoints" / f"step_{stopped}" / "queued.json").read_text())
+    assert len(queued) == min(staleness + 1, 6 - stopped) and all(batch["rollouts"] for batch in queued)
+
+    run_cli(run_dir, tmp_path / "cache", *async_dynamic(staleness, run_dir), "trainer.resume=auto")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    # the first step after the stop trained on what the stopped run queued: weights older than the checkpoint's,
+    # which a batch made again after the resume would have come from
+    assert rows[stopped + 1]["rollout/weight_version"] < stopped
+    assert_same_steps(rows, whole, keys=("data/gen_batches", "rollout/weight_version"))
+    # no prompt skipped or trained twice: each step trained the same prompts (so the run, the same multiset)
+    assert trained_prompts(run_dir) == trained_prompts(whole)
+    assert len(trained_prompts(whole)) == 6 and min(map(min, trained_prompts(whole).values())) >= 0
+
+
+HANGING_REWARD = """
+import pathlib, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    pathlib.Path({marker!r}).touch()
+    time.sleep(3600)
+"""
+
+
+def test_a_second_sigterm_while_a_reward_hangs_ends_the_driver_at_once_and_no_worker_outlives_it(tmp_path):
+    """The first signal waits for the step, which waits for a plugin that never answers; the second stops the
+    driver at once (not after reward.timeout_s), and its reward workers end with it."""
+    marker, plugin, run_dir = tmp_path / "hung", tmp_path / "reward.py", tmp_path / "run"
+    plugin.write_text(HANGING_REWARD.format(marker=str(marker)))
+    process = start_cli(
+        run_dir,
+        tmp_path / "cache",
+        "trainer.world_size=1",
+        f"custom_reward_function.path={plugin}",
+        "reward.timeout_s=600",
+    )
+    deadline = time.monotonic() + 300
+    while not marker.exists():  # the first evaluation's grading has started, and hangs
+        assert process.poll() is None, open(f"{run_dir}.out").read()[-3000:]
+        assert time.monotonic() < deadline, "the reward plugin was never called"
+        time.sleep(0.2)
+    workers = [
+        p for p in psutil.Process(process.pid).children(recursive=True) if "rl_tpu.grader.processes" in p.cmdline()
+    ]
+    assert workers
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    second = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert time.monotonic() - second < 10, open(f"{run_dir}.out").read()[-3000:]
+    assert "second SIGTERM: stopping without saving" in open(f"{run_dir}.out").read()
+    _, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive, [p.pid for p in alive]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rl_tpu.cluster.cores import CpuBinding, bind, should_pin
+from rl_tpu.cluster.cores import CoreLease, CpuBinding, bind, should_pin
 from rl_tpu.config import RunConfig
 
 
@@ -86,3 +86,48 @@ def test_apply_pins_every_thread_of_the_process_and_sizes_the_pool():
 def test_a_core_the_node_does_not_have_is_refused_by_name():
     with pytest.raises(RuntimeError, match="sampler_0: pinned to core positions"):
         CpuBinding(threads=1, cores=(len(os.sched_getaffinity(0)),)).apply("sampler_0")
+
+
+def test_runs_sharing_a_node_lease_disjoint_cores_and_a_dead_runs_cores_are_free_at_once(tmp_path):
+    first, second = CoreLease(3, 8, str(tmp_path)), CoreLease(3, 8, str(tmp_path))
+    assert (first.first, second.first) == (0, 3)
+    assert CoreLease(3, 8, str(tmp_path)).first is None  # 2 positions left: no block of 3
+    assert CoreLease(2, 8, str(tmp_path)).first == 6
+    # a run killed with its lease held: the kernel drops its locks with the process
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        second.release()
+        assert holder.stdout.readline().strip() == "3"  # it took the block the second run gave back
+        assert CoreLease(3, 8, str(tmp_path)).first is None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert CoreLease(3, 8, str(tmp_path)).first == 3
+    first.release()
+
+
+HOLD_LEASE = """
+import sys, time
+from rl_tpu.cluster.cores import CoreLease
+while (lease := CoreLease(3, 8, sys.argv[1])).first is None:
+    time.sleep(0.05)
+print(lease.first, flush=True)
+time.sleep(600)
+"""
+
+
+def test_pinned_actors_start_at_their_runs_leased_block_and_run_unpinned_without_one(caplog):
+    cfg = config(trainer_threads=2, engine_threads=1)
+    leased = {"n1": 4, "n2": None}
+    trainers, engines = bind(
+        cfg,
+        ["n1", "n2"],
+        ["n1", "n2"],
+        pin=True,
+        node_cores={"n1": 8, "n2": 8},
+        activity_folder="run",
+        lease=lambda node, count, cores: leased[node],
+    )
+    assert trainers[0].cores == (4, 5) and engines[0].cores == (6,)
+    assert trainers[1].cores == () and engines[1].cores == ()
+    assert "no 3 consecutive cores free of other runs" in caplog.text

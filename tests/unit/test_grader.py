@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import textwrap
 import time
+from concurrent.futures import Future
 
 import pytest
 
 from rl_tpu.config import CustomRewardConfig, RewardConfig
-from rl_tpu.grader.grader import Grader, RewardError, Sample, reward_sources
+from rl_tpu.grader.grader import WORKER_START_S, Grader, Grading, RewardError, Sample, reward_sources
 
 PLUGIN = """
 import asyncio, math, os, time
@@ -151,13 +152,13 @@ def test_closing_during_a_hung_batch_returns_at_once_and_leaves_no_worker(plugin
     """What a second SIGTERM does while a plugin hangs: the driver's cleanup does not wait for the batch."""
     grader = grader_for(plugin, timeout_s=30.0)
     processes = [worker.process for worker in grader.pool.workers]
-    future = grader.submit(samples(["sleep"] * 8))
+    grading = grader.submit(samples(["sleep"] * 8))
     time.sleep(1.0)  # the workers are inside the plugin's sleep
     start = time.monotonic()
     grader.close()
     assert time.monotonic() - start < 2.0
     with pytest.raises(RewardError, match="not run: the pool was closed"):
-        future.result(timeout=10)
+        grading.future.result(timeout=10)
     assert all(process.poll() is not None for process in processes)
 
 
@@ -283,7 +284,7 @@ def test_math_reward_runs_in_the_pool_with_its_own_timeouts():
                 Sample("math", "so $\\boxed{3}$", "\\sqrt{9}", {}),
                 Sample("math", "so $\\boxed{(0,1)}$", "[0,1]", {}),
             ]
-        ).result(timeout=60)
+        ).result()
         assert grades.scores == [1.0, 1.0, 0.0] and not grades.failures
     finally:
         grader.close()
@@ -380,3 +381,24 @@ def test_workers_die_with_the_process_that_started_them(tmp_path):
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in workers)
+
+
+def test_waiting_for_a_batch_has_a_deadline_that_names_the_rewards():
+    stuck = Grading(Future(), samples=8, deadline_s=0.2, rewards="custom")  # a grader thread that never answers
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"reward custom: grading 8 samples gave no result within 0 s"):
+        stuck.result()
+    assert time.monotonic() - start < 5
+    done = Future()
+    done.set_result("grades")
+    assert Grading(done, 1, 0.2, "custom").result() == "grades"
+
+
+def test_a_batchs_deadline_covers_every_sample_timing_out_on_every_worker(plugin):
+    grader = grader_for(plugin, timeout_s=5.0)
+    try:
+        grading = grader.submit(samples(["a"] * 9))
+        assert grading.deadline_s >= 5 * (5.0 + WORKER_START_S)  # 5 samples on the busier worker
+        assert grading.result().scores == [1.0] * 9
+    finally:
+        grader.close()

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from rl_tpu.outputs import rollout_log
 from rl_tpu.outputs.metrics import MetricsLogger, read_metrics
 
 
@@ -33,3 +34,15 @@ def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path):
     write_lines(path, [{"step": 0}], '{"step": 1, "re\n{"step": 2}\n')
     with pytest.raises(ValueError, match=rf"{path}: line 2 is not a JSON object"):
         read_metrics(path)
+
+
+def test_the_rollout_log_keeps_each_step_once_whole(tmp_path):
+    folder = tmp_path / "rollouts"
+    rollout_log.write_step(folder, 1, [{"index": 4, "score": 1.0}, {"index": 2, "score": 0.0}])
+    rollout_log.write_step(folder, 2, [{"index": 7, "score": 0.5}])
+    rollout_log.write_step(folder, 2, [{"index": 9, "score": 0.5}])  # a step trained again after a crash
+    assert rollout_log.read_steps(folder) == {
+        1: [{"index": 4, "score": 1.0, "step": 1}, {"index": 2, "score": 0.0, "step": 1}],
+        2: [{"index": 9, "score": 0.5, "step": 2}],
+    }
+    assert sorted(p.name for p in folder.iterdir()) == ["1.jsonl", "2.jsonl"]  # no partial file left

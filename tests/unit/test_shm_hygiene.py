@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,27 @@ def test_too_little_room_for_two_bundles_is_refused_at_start_naming_both_sizes(t
     with pytest.raises(WeightSyncError, match=r"MiB free, and the run keeps two weight bundles of .* MiB there"):
         transport.prepare(2**62)
     transport.close()
+
+
+SENDER = """
+import sys, time
+import numpy as np, torch
+from rl_tpu.sync.shm_file import ShmFileTransport
+sender = ShmFileTransport(sys.argv[1])
+sender.prepare(1024)
+for version in (1, 2):
+    sender.put(version, 0, {"w": torch.ones(256)}, [])
+print(sender.root, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_bundles_of_a_sender_killed_with_sigkill_are_reclaimed_by_the_next_sender(tmp_path):
+    process = subprocess.Popen([sys.executable, "-c", SENDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    folder = Path(process.stdout.readline().strip())
+    assert sorted(p.name for p in folder.iterdir()) == ["v1", "v2"]  # two versions in RAM
+    process.kill()  # SIGKILL: no close(), no atexit
+    process.wait()
+    assert folder.exists()
+    ShmFileTransport(str(tmp_path))
+    assert not folder.exists()

@@ -1,0 +1,35 @@
+"""`trainer.rollout_data_dir`: what each step trained on, one JSON Lines file per step, `<step>.jsonl`, with
+verl's rollout-dump fields (`input`, `output`, `gts`, `score`, `step`) and two of ours: `index`, the prompt's row in
+the training file, and `weight_version`, the weights that sampled the completion.
+
+A file is written whole or not at all (renamed into place); a step trained again after a crash overwrites its file,
+so the folder holds each step once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_step(folder: str | Path, step: int, rows: list[dict]) -> Path:
+    """Write `rows` (the step's trained samples) as `<folder>/<step>.jsonl`; returns the file."""
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{step}.jsonl"
+    partial = path.with_name(path.name + ".partial")
+    # default=str: a ground truth read from parquet may hold numpy values
+    partial.write_text(
+        "".join(json.dumps({**row, "step": step}, ensure_ascii=False, default=str) + "\n" for row in rows)
+    )
+    os.replace(partial, path)
+    return path
+
+
+def read_steps(folder: str | Path) -> dict[int, list[dict]]:
+    """Every step's rows in `folder`, by step."""
+    steps = {}
+    for path in Path(folder).glob("*.jsonl"):
+        steps[int(path.stem)] = [json.loads(line) for line in path.read_text().splitlines()]
+    return dict(sorted(steps.items()))
