@@ -44,7 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.config import RunConfig, value_of
-from rl_tpu.controller.run import run as run_training
 from rl_tpu.outputs.metrics import read_metrics
 from rl_tpu.records import TrainBatch
 
@@ -140,12 +139,12 @@ def tiny_config(device: str, steps: int, warm_start_steps: int, cache_dir: Path)
     cfg.data.train_batch_size, cfg.data.num_eval, cfg.sampler.n = 8, 64, 8
     cfg.trainer.total_steps, cfg.trainer.eval_every = steps, 10_000
     cfg.trainer.export, cfg.trainer.checkpoint_final, cfg.trainer.checkpoint_every = False, False, 0
-    if device != "cpu":
-        cfg.sampler.kv_cache_gb, cfg.sampler.enforce_eager = None, False  # gpu_memory_utilization decides
     return cfg
 
 
 def check_tiny(args, tmp: Path, peak: float | None) -> dict:
+    from rl_tpu.controller.run import run as run_training  # Ray and vLLM: the tiny and real_size checks only
+
     cfg = tiny_config(args.device, args.steps, args.warm_start_steps, tmp / "cache")
     started = time.perf_counter()
     run_training(cfg, tmp / "tiny", show_progress=False)
@@ -167,7 +166,9 @@ def check_real_size(args, tmp: Path, peak: float | None) -> dict:
     )
     cfg = real_size.run_config(model, train, test, 1, options)
     if args.device != "cpu":
-        cfg.sampler.kv_cache_gb, cfg.sampler.enforce_eager = None, False
+        cfg.sampler.kv_cache_gb = None  # gpu_memory_utilization decides
+    from rl_tpu.controller.run import run as run_training
+
     started = time.perf_counter()
     run_training(cfg, tmp / "real", show_progress=False)
     return {
@@ -239,7 +240,7 @@ def trainer_model(shape: str, folder: Path) -> Path:
 
 def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     import torch
-    from logprob_gap import free_port
+    from logprob_gap import free_port  # a port for the one rank's own group (no Ray here)
     from omegaconf import OmegaConf
 
     from rl_tpu.trainer.worker import TrainerWorker
@@ -347,6 +348,92 @@ def publish_and_fetch(worker, trained: dict, transport_name: str, shm_dir: str) 
     }
 
 
+# bf16 weight bytes of the trainer shapes' models, a tied head once (Qwen2.5-0.5B and -3B: 494M and 3.09B parameters)
+IPC_BYTES = {"tiny": 8 * 2**20, "0.5b": 494_032_768 * 2, "3b": 3_085_938_688 * 2}
+
+
+def check_ipc(args, tmp: Path, peak: float | None) -> dict:
+    """The `cuda_ipc` handoff of a bundle as large as the trainer shape's bf16 weights: this process puts each bucket
+    (random bytes on the device) through `CudaIpcTransport`, device checksum included; a second process on the same
+    device opens each handle, checks the checksum there and copies the bucket into buffers of its own, as an
+    engine's loader copies into its parameters. Against a device-to-device copy of as many bytes in this run; the
+    sender's device memory at each phase. Needs torch alone (no vLLM, no Ray)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from rl_tpu.sync.bundle import device_checksum
+    from rl_tpu.sync.cuda_ipc import CudaIpcTransport
+
+    total, bucket = IPC_BYTES[args.trainer_shape], int(args.bucket_mb * 2**20)
+    sizes = [min(bucket, total - start) for start in range(0, total, bucket)]
+    memory = {"start": device_memory_gib(args.device)}
+    buffers = [torch.randint(0, 256, (size,), dtype=torch.uint8, device=args.device) for size in sizes]
+    memory["buckets_gathered"] = device_memory_gib(args.device)
+    transport = CudaIpcTransport()
+    start = time.perf_counter()
+    handles = [(transport.put_flat(1, i, flat), device_checksum(flat)) for i, flat in enumerate(buffers)]
+    put_s = time.perf_counter() - start
+    context = mp.get_context("spawn")
+    inbox, results = context.Queue(), context.Queue()
+    receiver = context.Process(target=receive_buckets, args=(inbox, results, sizes, args.device))
+    receiver.start()
+    try:
+        inbox.put(handles)
+        received = results.get(timeout=300)
+    finally:
+        receiver.join(timeout=60)
+    memory["handed_over"] = device_memory_gib(args.device)
+    transport.close()
+    del buffers, handles
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    memory["released"] = device_memory_gib(args.device)
+    copy = copy_gb_per_s(total, args.device)
+    handoff_s = put_s + received["open_verify_copy_s"]
+    return {
+        "workload": f"{total / 1e9:.3f} GB in {len(sizes)} buckets of up to {args.bucket_mb:g} MiB "
+        f"({args.trainer_shape} shape, bf16), one receiving process on the same device",
+        "bytes": total,
+        "put_s": put_s,  # the sender's checksums and handles
+        **received,
+        "handoff_s": handoff_s,
+        "handoff_gb_per_s": total / handoff_s / 1e9,
+        "device_copy_gb_per_s": copy,
+        "handoff_vs_copy": total / handoff_s / 1e9 / copy,
+        "sender_memory_gib": memory,
+    }
+
+
+def receive_buckets(inbox, results, sizes: list[int], device: str) -> None:
+    """The receiving process of `check_ipc`: its own buffers first, then each bucket opened, checked and copied."""
+    import torch
+
+    from rl_tpu.cluster.device import Device
+    from rl_tpu.sync.bundle import device_checksum
+    from rl_tpu.sync.cuda_ipc import open_shared
+
+    own = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    handles = inbox.get(timeout=300)
+    Device(device).synchronize()
+    start = time.perf_counter()
+    verified = 0
+    for (handle, checksum), target in zip(handles, own):
+        flat = open_shared(handle)
+        verified += device_checksum(flat) == checksum
+        target.copy_(flat)
+    Device(device).synchronize()
+    results.put({"open_verify_copy_s": time.perf_counter() - start, "buckets_verified": verified})
+
+
+def device_memory_gib(device: str) -> float:
+    """What torch allocated on the GPU (on CPU: this process's resident memory), in GiB."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.memory_allocated() / 2**30
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def with_settings(cfg: RunConfig, settings: list[str]) -> RunConfig:
     """`cfg` with `key=value` settings as the command line takes them (trainer.logprob_chunk_size=512)."""
     from omegaconf import OmegaConf
@@ -373,6 +460,13 @@ def profiled_step(worker, batch: TrainBatch, device: str) -> dict:
 
 
 def report(label: str, check: dict, peak: float | None) -> None:
+    if label == "ipc":
+        print(
+            f"ipc: {check['bytes'] / 1e9:.2f} GB handed over in {check['handoff_s']:.3f} s "
+            f"({check['handoff_gb_per_s']:.1f} GB/s vs a device copy {check['device_copy_gb_per_s']:.1f} GB/s), "
+            f"{check['buckets_verified']} buckets verified"
+        )
+        return
     mfu = f"MFU {100 * check['mfu']:.1f}% of {peak:g} TFLOP/s" if check["mfu"] is not None else "MFU n/a"
     generated = f", {check['gen_tokens_per_s']:.0f} generated tokens/s" if "gen_tokens_per_s" in check else ""
     copy = check.get("device_copy_gb_per_s", check.get("device_to_host_copy_gb_per_s"))
@@ -382,7 +476,15 @@ def report(label: str, check: dict, peak: float | None) -> None:
     )
 
 
-CHECKS = {"tiny": check_tiny, "real_size": check_real_size, "trainer": check_trainer}
+CHECKS = {"tiny": check_tiny, "real_size": check_real_size, "trainer": check_trainer, "ipc": check_ipc}
+
+
+def ray_installed() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:  # the lent GPU machines have no Ray: the object_store publish is left out there
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -405,8 +507,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--transports",
         nargs="+",
         choices=["shm_file", "object_store"],
-        default=["shm_file", "object_store"],
-        help="publish and fetch through each (the first is the figure printed)",
+        default=None,
+        help="publish and fetch through each (the first is the figure printed); default: both where Ray is "
+        "installed, else shm_file",
     )
     trainer.add_argument(
         "--set",
@@ -415,8 +518,10 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="KEY=VALUE",
         help="run settings over the check's own, e.g. trainer.logprob_chunk_size=512",
     )
+    parser.add_argument("--bucket-mb", type=float, default=512.0, help="the ipc check's buckets (sync.bucket_mb)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    args.transports = args.transports or (["shm_file", "object_store"] if ray_installed() else ["shm_file"])
     out = args.out or REPO / "benchmarks" / "results" / f"device_check_{args.device}.json"
     load_before = os.getloadavg()
     name, peak = bf16_peak_tflops(args.device)

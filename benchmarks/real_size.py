@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.config import RunConfig
-from rl_tpu.controller.run import run as run_training
 from rl_tpu.outputs.metrics import read_metrics
 
 QWEN_VOCAB = 151_936
@@ -116,6 +115,8 @@ def run_config(model: Path, train: Path, test: Path, world_size: int, args) -> R
 
 def measure(cfg: RunConfig, run_dir: Path, warmup: int) -> dict:
     started = time.perf_counter()
+    from rl_tpu.controller.run import run as run_training  # Ray and vLLM: the builders above need neither
+
     run_training(cfg, run_dir, show_progress=False)
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > warmup and "actor/loss" in r]
 

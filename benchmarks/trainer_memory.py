@@ -55,16 +55,16 @@ def synthetic_batch(sequences: int, prompt_len: int, completion_len: int, vocab:
 def profile(model: Path, world_size: int, return_freed_memory: bool, args) -> dict:
     import ray
 
-    from rl_tpu.cluster import placement
+    from rl_tpu.cluster import rendezvous
 
     cfg = RunConfig()
     cfg.device, cfg.model.path, cfg.model.dtype = "cpu", str(model), "bfloat16"
     cfg.trainer.world_size, cfg.trainer.micro_batch_size = world_size, args.micro_batch_size
     cfg.trainer.activation_checkpointing = True
     cfg.sync.bucket_mb = args.bucket_mb
-    store = placement.RendezvousStore(world_size, 60)
+    store = rendezvous.RendezvousStore(world_size, 60)
     cfg.trainer.return_freed_memory = return_freed_memory
-    env = {**trainer_env(cfg.trainer, model), **placement.AGENT_STORE_ENV, **dict(kv.split("=", 1) for kv in args.env)}
+    env = {**trainer_env(cfg.trainer, model), **rendezvous.AGENT_STORE_ENV, **dict(kv.split("=", 1) for kv in args.env)}
     actor = ray.remote(ProfiledTrainer).options(num_cpus=1, runtime_env={"env_vars": env})
     ranks = [actor.remote(cfg, str(model), rank, world_size, store.host, store.port) for rank in range(world_size)]
     phases, seconds = {"start-up": ray.get([r.memory.remote() for r in ranks])}, {}

@@ -111,6 +111,7 @@ def help_text() -> str:
         config,
         config.episode,
         config.lora,
+        config.reward,
         config.tiny,
     ):  # the schema's modules: the sections in files of their own
         comments.update(field_comments(inspect.getsource(module)))

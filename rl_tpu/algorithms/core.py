@@ -8,9 +8,12 @@ registers that needs no critic, and every policy loss in its registry, by verl's
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from rl_tpu.config import ActorConfig, AlgorithmConfig, RunConfig, value_of
 
@@ -266,7 +269,25 @@ def _verl_actor_config(actor: ActorConfig, response_length: int):
 
 def pooled(key: str, value) -> bool:
     """Whether a loss metric is a scalar average, which token-weighting pools over micro-batches (not a max)."""
-    return np.ndim(value) == 0 and not key.endswith(("_max", "_min", "_std", "_max_deviation"))
+    ndim = value.dim() if torch.is_tensor(value) else np.ndim(value)
+    return ndim == 0 and not key.endswith(("_max", "_min", "_std", "_max_deviation"))
+
+
+class DeviceScalars(TorchFunctionMode):
+    """While entered, `Tensor.item()` gives the 0-d tensor itself, still on the device. verl's loss and correction
+    functions read each metric with `.item()`, a host sync (three a micro-batch for the vanilla loss); this way a
+    step reads every figure at once (rl_tpu/trainer/update.py). Only around verl's calls, which put the values in
+    their metrics dict (every loss mode is checked against a plain call: tests/unit/test_algorithms.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.item:
+            return args[0].detach()
+        return func(*args, **(kwargs or {}))
+
+
+def on_device(metrics: dict, keep: Callable[[str, Any], bool]) -> dict[str, torch.Tensor | float]:
+    """The kept metrics, 0-d tensors left on their device (detached) and numbers as they are."""
+    return {k: v.detach() if torch.is_tensor(v) else float(v) for k, v in metrics.items() if keep(k, v)}
 
 
 class PolicyLoss:
@@ -296,7 +317,8 @@ class PolicyLoss:
         ref_log_prob: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         rollout_is_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        """The loss and its figures; the figures stay on the device (`DeviceScalars`)."""
         core_algos = _core_algos()
         batch_info = {
             "dp_size": dp_size,
@@ -305,23 +327,24 @@ class PolicyLoss:
             "loss_scale_factor": self.verl_cfg.loss_scale_factor,
         }
         self.verl_cfg.global_batch_info.update(batch_info)
-        loss, metrics = self.loss_fn(
-            old_log_prob=old_log_prob,
-            log_prob=log_prob,
-            advantages=advantages,
-            response_mask=mask,
-            loss_agg_mode=self.agg_mode,
-            config=self.verl_cfg,
-            rollout_is_weights=rollout_is_weights,
-        )
+        with DeviceScalars():
+            loss, metrics = self.loss_fn(
+                old_log_prob=old_log_prob,
+                log_prob=log_prob,
+                advantages=advantages,
+                response_mask=mask,
+                loss_agg_mode=self.agg_mode,
+                config=self.verl_cfg,
+                rollout_is_weights=rollout_is_weights,
+            )
         if self.mode in ROW_MEAN_LOSSES:  # a mean over this micro-batch's rows, made a share of the global mean
             loss = loss * (log_prob.shape[0] / global_seqs) * dp_size
-        metrics = {k: float(v.detach() if torch.is_tensor(v) else v) for k, v in metrics.items() if pooled(k, v)}
+        metrics = on_device(metrics, pooled)
         if self.actor.use_kl_loss:
             kl = core_algos.kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=self.actor.kl_loss_type)
             kl_loss = core_algos.agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info)
             loss = loss + self.actor.kl_loss_coef * kl_loss
-            metrics["actor/kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).item()
+            metrics["actor/kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
         if self.actor.entropy_coeff != 0.0:
             entropy_loss = core_algos.agg_loss(
                 loss_mat=entropy, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info
@@ -342,7 +365,7 @@ def rollout_is_level(actor: ActorConfig, async_mode: bool) -> str | None:
 
 def truncated_is_weights(
     log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, mask: torch.Tensor, threshold: float, level: str = "token"
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Truncated importance weights min(pi_trainer / pi_sampler, threshold), per token or per sequence, via verl.
 
     Async mode trains on rollouts the sampler made with weights up to `trainer.max_staleness`
@@ -351,11 +374,12 @@ def truncated_is_weights(
     """
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
-    weights, metrics = compute_rollout_correction_weights(
-        log_ratio=(log_prob - sampler_log_prob).detach(),
-        response_mask=mask,
-        rollout_is=level,
-        rollout_is_threshold=threshold,
-    )
+    with DeviceScalars():
+        weights, metrics = compute_rollout_correction_weights(
+            log_ratio=(log_prob - sampler_log_prob).detach(),
+            response_mask=mask,
+            rollout_is=level,
+            rollout_is_threshold=threshold,
+        )
     keep = ("rollout_is_mean", "rollout_is_ratio_fraction_high")  # averages, so micro-batches can be pooled
-    return weights, {f"actor/{k}": float(v) for k, v in metrics.items() if k in keep}
+    return weights, {f"actor/{k}": v for k, v in on_device(metrics, lambda k, v: k in keep).items()}

@@ -64,6 +64,16 @@ class Device:
         if self.kind != "cpu":
             torch.accelerator.synchronize()
 
+    def select(self) -> None:
+        """Make this the process's current device: collectives and the device mesh use the current one."""
+        if self.kind == "cuda":
+            torch.cuda.set_device(self.local_index)
+
+    def release_cached_memory(self) -> None:
+        """Hand the memory the caching allocator keeps back to the device (for an engine that shares it)."""
+        if self.kind == "cuda":
+            torch.cuda.empty_cache()
+
 
 def _import_torch_tpu() -> None:
     try:

@@ -337,32 +337,6 @@ def reserve(plan: Plan, timeout_s: float) -> Reservation:
     return reservation
 
 
-class RendezvousStore:
-    """The trainer ranks' rendezvous: torch's TCPStore, hosted by the driver for one start of the actors.
-
-    The store binds a port the OS picks and holds it until closed: a port probed, released and bound later by
-    rank 0 can be taken in between by any process of the node. The ranks, rank 0 too, connect as clients
-    (`AGENT_STORE_ENV`, torch's switch for a store hosted outside the ranks, as torchrun's agent hosts it); after
-    the rendezvous gloo connects the ranks to each other directly.
-    """
-
-    def __init__(self, world_size: int, timeout_s: float):
-        from datetime import timedelta
-
-        import ray
-        import torch.distributed as dist
-
-        self.host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        self.store = dist.TCPStore(
-            self.host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-        )
-        self.port = self.store.port
-
-
-# a trainer rank's environment: it is a client of the store `RendezvousStore` holds
-AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
-
-
 def where_am_i() -> dict[str, str | int]:
     """Called inside an actor: the node it runs on, as Ray sees it, and its process."""
     import os
@@ -378,26 +352,6 @@ def where_am_i() -> dict[str, str | int]:
     }
 
 
-def bind_gloo_to_node_ip() -> None:
-    """Inside an actor: make gloo's sockets use the network interface of this node's IP.
-
-    Gloo otherwise binds to what the host name resolves to, often 127.0.0.1 in containers, and
-    trainer ranks on different hosts never connect. A `GLOO_SOCKET_IFNAME` the user set wins.
-    """
-    import os
-
-    import psutil
-    import ray
-
-    if "GLOO_SOCKET_IFNAME" in os.environ or not ray.is_initialized():  # not in a Ray worker: one host
-        return
-    ip = ray.util.get_node_ip_address()
-    for interface, addresses in psutil.net_if_addrs().items():
-        if any(address.address == ip for address in addresses):
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-            return
-
-
 def require_model_on_node(actor: str, model_path: str) -> None:
     """Inside an actor: stop, naming the actor, when its node has no model folder at `model_path`."""
     from pathlib import Path
@@ -409,8 +363,17 @@ def require_model_on_node(actor: str, model_path: str) -> None:
         )
 
 
-def start_ray(cfg: RayConfig) -> None:
-    """Join `ray.address`, or start a local cluster; a sweep's trial runs inside the sweep's cluster already."""
+def object_store_bytes(cfg: RayConfig, bundle_bytes: int) -> int:
+    """`ray.object_store_mb`, or two weight bundles and 256 MiB (512 MiB at least): the object_store transport keeps
+    the bundle being installed while the next one is put."""
+    if cfg.object_store_mb is not None:
+        return cfg.object_store_mb * 2**20
+    return max(512 * 2**20, 2 * bundle_bytes + 256 * 2**20)
+
+
+def start_ray(cfg: RayConfig, bundle_bytes: int = 0) -> None:
+    """Join `ray.address`, or start a local cluster (its object store sized for weight bundles of `bundle_bytes`);
+    a sweep's trial runs inside the sweep's cluster already."""
     import ray
 
     if ray.is_initialized():
@@ -424,6 +387,6 @@ def start_ray(cfg: RayConfig) -> None:
         address="local",
         num_cpus=cfg.num_cpus or (os.cpu_count() or 1) + 1,
         include_dashboard=False,
-        object_store_memory=cfg.object_store_mb * 2**20,
+        object_store_memory=object_store_bytes(cfg, bundle_bytes),
         log_to_driver=False,
     )

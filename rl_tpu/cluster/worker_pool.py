@@ -52,8 +52,13 @@ def die_with_parent() -> None:
 
 
 def limit_memory(memory_mb: int | None) -> None:
-    if memory_mb is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
+    """From now, at most `memory_mb` more address space than the process holds: what is loaded already (a torch
+    built with CUDA maps several GB of libraries, which an absolute limit would refuse) is not counted."""
+    if memory_mb is None:
+        return
+    held_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    limit = held_kb * 2**10 + memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def limit_cpu(per_item_s: float | None, items: int) -> None:
@@ -104,22 +109,22 @@ def serve(
     answer: Callable[[Any, list[int], list, asyncio.AbstractEventLoop], Iterable[list]],
 ) -> None:
     """A worker's side of the protocol (its ``__main__``). It dies with its parent and bounds itself by the setup's
-    `WorkerLimits` before loading anything: its address space, so that an item that allocates without bound fails
-    with MemoryError instead of taking the host down, and the CPU seconds of each job (SIGXCPU ends the worker,
-    which the pool sees as a crash). `load(setup)` returns the worker's state and its ready detail (or raises:
+    `WorkerLimits`: its output from the start; once its code is loaded, the address space it may add, so that an
+    item that allocates without bound fails with MemoryError instead of taking the host down, and the CPU seconds
+    of each job (SIGXCPU ends the worker, which the pool sees as a crash). `load(setup)` returns the worker's state and its ready detail (or raises:
     the traceback goes back as the load error); `answer(state, positions, items, loop)` yields the messages of one
     job, each a list of ``(position, outcome)``."""
     inbox = Connection(int(sys.argv[1]), writable=False)
     outbox = Connection(int(sys.argv[2]), readable=False)
     die_with_parent()
     setup, limits = inbox.recv()
-    limit_memory(limits.memory_mb)
     cap_output(limits.output_bytes)
     try:
         state, detail = load(setup)
     except Exception:
         outbox.send(("load_error", traceback.format_exc()))
         return
+    limit_memory(limits.memory_mb)
     outbox.send(("ready", detail))
     loop = asyncio.new_event_loop()  # for async user code (verl's tools, async reward functions)
     while True:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -30,6 +30,7 @@ from rl_tpu.config.choices import (
 )
 from rl_tpu.config.episode import EpisodeConfig
 from rl_tpu.config.lora import LoraConfig
+from rl_tpu.config.reward import CustomRewardConfig, RewardConfig
 from rl_tpu.config.tiny import TinyModelConfig
 
 if TYPE_CHECKING:  # torch is imported only where a dtype is asked for: `rl-tpu --help` stays quick
@@ -86,13 +87,14 @@ class SamplerConfig:
     top_p: float = 1.0
     top_k: int = -1  # off: vLLM renormalises logprobs over kept tokens, which the trainer does not
     response_length: int = 16  # max new tokens
-    kv_cache_gb: Optional[float] = 1.0  # the engine's KV cache; None on an accelerator: gpu_memory_utilization decides
+    # the engine's KV cache; None: 1 GiB on CPU, and on an accelerator what gpu_memory_utilization leaves
+    kv_cache_gb: Optional[float] = None
     # the share of an accelerator's memory the engine may take; None: 0.85 on a device of its own, 0.4 colocated
     gpu_memory_utilization: Optional[float] = None
     # true: the engine runs eagerly (start-up in seconds); false: vLLM torch.compiles the model and, on GPUs,
     # captures CUDA graphs: a start-up longer by tens of seconds, for faster decoding where the model's own
-    # compute dominates (on CPU it gained 0-25%: benchmarks/README.md)
-    enforce_eager: bool = True
+    # compute dominates (on CPU it gained 0-25%: benchmarks/README.md); None: eager on CPU, compiled elsewhere
+    enforce_eager: Optional[bool] = None
     seed: int = 0  # each prompt's draws at each step are seeded from this, the step and the prompt's index
     num_cpus: float = 1.0  # CPUs reserved for each engine
     threads: Optional[int] = None  # each engine's torch / OpenMP threads; None: num_cpus, rounded (at least 1)
@@ -325,53 +327,6 @@ class SyncConfig:
 
 
 @dataclass
-class CustomRewardConfig:
-    """A verl-signature reward function in a Python file, as verl's `custom_reward_function`."""
-
-    path: Optional[str] = None
-    name: str = "compute_score"
-    kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every call
-    # verl's batch form takes lists (`data_sources`, `solution_strs`, ...); None: read it from the signature
-    batched: Optional[bool] = None
-
-
-@dataclass
-class OverlongBufferConfig:
-    """DAPO's soft overlong punishment, by verl's keys: completions longer than sampler.response_length - len
-    lose up to penalty_factor, in proportion to how far into the buffer they reach."""
-
-    enable: bool = False
-    len: Optional[int] = None  # the buffer's length in tokens; None: a fifth of it (DAPO: 4096 of 20480)
-    penalty_factor: float = 1.0
-
-
-@dataclass
-class RewardConfig:
-    name: str = "arithmetic"  # a built-in: arithmetic, gsm8k, math, format (rewards/NAME.py)
-    # A weighted sum instead of one reward, e.g. {gsm8k: 1.0, format: 0.1}; the key `custom` is the
-    # plugin. It must include the primary reward (`custom` when set, else `name`): eval/accuracy.
-    combine: dict[str, float] = field(default_factory=dict)
-    custom: CustomRewardConfig = field(default_factory=CustomRewardConfig)  # when path is set: the primary
-    num_workers: Optional[int] = None  # reward worker processes; None: min(4, cores)
-    timeout_s: float = 10.0  # per sample; a sample past it scores 0 and its worker is replaced
-    max_failure_rate: float = 0.1  # stop the run when a larger fraction of one batch fails to score
-    # Reward code runs as trusted code, but bounded: each worker's address space (RLIMIT_AS; a sample that
-    # allocates past it fails) and CPU seconds per sample (RLIMIT_CPU); null: no limit
-    worker_memory_mb: Optional[int] = 4096
-    # environment variables a worker keeps (besides PATH, HOME, locale and temp-dir ones); secrets stay out
-    pass_env: list[str] = field(default_factory=list)
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-
-    def __post_init__(self) -> None:
-        memory = self.worker_memory_mb
-        if not 0.0 <= self.max_failure_rate <= 1.0 or self.timeout_s <= 0 or (memory is not None and memory <= 0):
-            raise ValueError(
-                f"reward.max_failure_rate={self.max_failure_rate} must be in [0, 1], reward.timeout_s="
-                f"{self.timeout_s} > 0 and reward.worker_memory_mb={memory} > 0 (null: no limit)"
-            )
-
-
-@dataclass
 class ExportConfig:
     # trainer.push_to_hub (and `python -m rl_tpu.export --push-to-hub`) refuses a public repository unless this is
     # true; a repository that does not exist is made private
@@ -382,7 +337,9 @@ class ExportConfig:
 class RayConfig:
     address: Optional[str] = None  # None: start a local cluster; `auto`: join the cluster this node belongs to
     num_cpus: Optional[int] = None  # None: the core count plus one, so the sampler is never starved
-    object_store_mb: int = 512
+    # a local cluster's object store; None: two weight bundles and 256 MiB (512 at least), so that the object_store
+    # transport holds a bundle being installed and the next one
+    object_store_mb: Optional[int] = None
     placement_timeout_s: float = 120.0  # stop when the actors cannot be placed within this long
     start_timeout_s: float = 900.0  # actors loading their model (vLLM start-up, FSDP sharding)
     call_timeout_s: float = 3600.0  # any one call on an actor during the run (a step, a sync, a checkpoint)
@@ -423,6 +380,13 @@ class RunConfig:
             return None
         on_tpu = value_of(self.device) == "tpu" or value_of(self.sync.transport) == "tpu_sync"
         return lora.sync if lora.sync != "auto" else ("merged" if on_tpu else "adapter")
+
+    @property
+    def engine_eager(self) -> bool:
+        """Whether the engines run eagerly: `sampler.enforce_eager`, by default on CPU only (with `device` resolved,
+        as the actors' config has it): compiled with CUDA graphs on accelerators, where decoding gains most."""
+        eager = self.sampler.enforce_eager
+        return value_of(self.device) == "cpu" if eager is None else eager
 
     @property
     def completion_tokens(self) -> int:

@@ -100,4 +100,5 @@ class SyncTransport(str, Enum):
     object_store = "object_store"
     shm_file = "shm_file"
     collective = "collective"
+    cuda_ipc = "cuda_ipc"  # CUDA, colocated, one engine: weights handed over on the GPU (rl_tpu/sync/cuda_ipc.py)
     tpu_sync = "tpu_sync"  # TPU hosts only; not yet run on hardware (rl_tpu/sync/tpu_sync.py)

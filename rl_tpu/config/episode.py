@@ -30,7 +30,7 @@ class EpisodeConfig:
     tool_response_truncate_side: str = "middle"  # where a long result is cut: left, right, middle (verl's key)
     tool_timeout_s: float = 10.0  # per call; a call past it fails (counted) and its worker is replaced
     tool_workers: int = 2  # tool worker processes per engine
-    tool_memory_mb: Optional[int] = 4096  # each tool worker's address space; null: no limit
+    tool_memory_mb: Optional[int] = 4096  # what each tool worker may allocate beyond its loaded code; null: no limit
     # an episode's reward: the reward plugin's (`reward.*`), the tools' (execute's step rewards plus calc_reward,
     # summed over the episode's calls), or their sum
     reward: str = "plugin"

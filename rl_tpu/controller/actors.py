@@ -20,7 +20,7 @@ from pathlib import Path
 import ray
 
 from rl_tpu.cluster import cores as cpu_binding
-from rl_tpu.cluster import placement
+from rl_tpu.cluster import placement, rendezvous
 from rl_tpu.cluster.actor_logs import actor_name
 from rl_tpu.cluster.calls import ActorError, gather
 from rl_tpu.config import RunConfig, TrainerConfig, value_of
@@ -45,7 +45,7 @@ class Workers:
     reservation: placement.Reservation
     cfg: RunConfig
     log_dir: str
-    rendezvous: placement.RendezvousStore | None = None  # the trainer ranks', held while they run
+    rendezvous: rendezvous.RendezvousStore | None = None  # the trainer ranks', held while they run
     core_leases: cpu_binding.CoreLeases | None = None  # pinned runs: the cores this run holds on each node
 
     @property
@@ -71,8 +71,12 @@ class Workers:
         return [row for shard in shards for row in shard]  # ranks hold contiguous slices, in rank order
 
     def publish(self, version: int) -> WeightBundle:
-        """Every rank sends its share of the buckets; the engines get them as one bundle."""
-        return WeightBundle.merge(self.on_trainers("publish_weights", f"publishing weights v{version}", version))
+        """Every rank sends its share of the buckets; the engines get them as one bundle. Colocated, the ranks then
+        give the memory their allocators keep back to the device, where the engines wake next."""
+        release = self.reservation.plan.engines_sleep
+        return WeightBundle.merge(
+            self.on_trainers("publish_weights", f"publishing weights v{version}", version, release)
+        )
 
     def install(self, bundle: WeightBundle, wait: bool = True) -> dict[str, float]:
         """Every engine installs the bundle (woken first if it slept while the trainer trained); its figures.
@@ -131,15 +135,12 @@ def start_workers(
         actor_cfg = dataclasses.replace(cfg, device=kind)  # resolved again on each actor's node
         workers.core_leases = cpu_binding.CoreLeases(ray.get_runtime_context().get_node_id())
         trainer_cores, engine_cores = bind_cores(cfg, kind, reservation, workers.core_leases)
-        _start_trainers(workers, actor_cfg, model_path, log_dir, trainer_cores)
         _start_engines(workers, actor_cfg, model_path, log_dir, engine_cores)
+        if plan.engines_sleep:  # colocated: each engine sizes its KV cache by the device memory free at its start
+            wait_ready(workers, workers.samplers.names, cfg.ray.start_timeout_s)
+        _start_trainers(workers, actor_cfg, model_path, log_dir, trainer_cores)
         # start-up errors (a bad model folder, a missing device) surface here, named, not at the first step
-        gather(
-            [(name, actor.__ray_ready__.remote()) for name, actor in workers.actors()],
-            "starting the actors",
-            cfg.ray.start_timeout_s,
-            log_dir,
-        )
+        wait_ready(workers, [name for name, _ in workers.actors()], cfg.ray.start_timeout_s)
         if value_of(cfg.sync.transport) == "tpu_sync":
             workers.on_trainers(
                 "connect_tpu_sync", "tpu_sync handshake", workers.samplers.engines, timeout_s=cfg.ray.start_timeout_s
@@ -150,6 +151,13 @@ def start_workers(
         workers.shutdown()
         raise
     return workers
+
+
+def wait_ready(workers: Workers, names: list[str], timeout_s: float) -> None:
+    """Until the named actors have started (their constructors returned), with a deadline naming who failed."""
+    actors = dict(workers.actors())
+    calls = [(name, actors[name].__ray_ready__.remote()) for name in names]
+    gather(calls, "starting the actors", timeout_s, workers.log_dir)
 
 
 def bind_cores(
@@ -172,9 +180,11 @@ def bind_cores(
 
 def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
     reservation = workers.reservation
-    store = workers.rendezvous = placement.RendezvousStore(cfg.trainer.world_size, cfg.ray.start_timeout_s)
+    store = workers.rendezvous = rendezvous.RendezvousStore(cfg.trainer.world_size, cfg.ray.start_timeout_s)
     trainer_cls = ray.remote(TrainerWorker)
-    env = {**trainer_env(cfg.trainer, model_path), **placement.AGENT_STORE_ENV}
+    env = {**trainer_env(cfg.trainer, model_path), **rendezvous.AGENT_STORE_ENV}
+    if value_of(cfg.device) == "cuda":
+        env.update(rendezvous.ALL_GPUS_VISIBLE_ENV)
     for rank, binding in enumerate(bindings):
         options = reservation.trainer_options(rank)
         workers.trainers.append(
@@ -245,7 +255,7 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
             log_dir,
             plan.engines_sleep,
             memory,
-            s.enforce_eager,
+            cfg.engine_eager,
             cfg.model.fp32_residual,
             binding,
             episode_options(cfg, max_len),
@@ -271,8 +281,16 @@ def restarts_in_place(cfg: RunConfig) -> bool:
 
 
 def check_transport_reach(cfg: RunConfig, reservation: placement.Reservation) -> None:
-    """`shm_file` passes files through one node's shared memory: rank 0 and every engine must share that node."""
-    if value_of(cfg.sync.transport) != "shm_file":
+    """`shm_file` passes files through one node's shared memory: rank 0 and every engine must share that node;
+    `cuda_ipc` passes device memory: the one engine must share rank 0's GPU."""
+    transport = value_of(cfg.sync.transport)
+    if transport == "cuda_ipc" and not reservation.plan.engines_sleep:  # sleeping engines: colocated on CUDA
+        raise placement.PlacementError(
+            f"sync.transport=cuda_ipc hands GPU memory to an engine on the same GPU, but this run's layout is "
+            f"{reservation.plan.layout}, not colocated on CUDA: set placement=colocated on a GPU host, or use "
+            "sync.transport=object_store"
+        )
+    if transport != "shm_file":
         return
     home = reservation.trainer_node(0)
     away = [e for e in range(reservation.plan.num_engines) if reservation.sampler_node(e) != home]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from rl_tpu.config import FilterGroupsConfig, OverlongBufferConfig
+from rl_tpu.config import FilterGroupsConfig
+from rl_tpu.config.reward import OverlongBufferConfig
 from rl_tpu.data.datasets import Example
 from rl_tpu.grader.grader import Grades
 from rl_tpu.records import Rollout

@@ -38,6 +38,14 @@ def validate(cfg: RunConfig) -> None:
             "Sync's staging buffers in place, and in async mode the next push could overwrite them between their "
             "check and their load; use trainer.max_staleness=0 or sync.transport=object_store"
         )
+    if value_of(cfg.sync.transport) == "cuda_ipc" and (
+        cfg.sampler.num_engines != 1 or value_of(cfg.device) in ("cpu", "tpu")
+    ):
+        raise ValueError(
+            f"sync.transport=cuda_ipc hands GPU memory from trainer rank 0 to one engine on its GPU: it needs "
+            f"device=cuda (or auto on a GPU host) and sampler.num_engines=1 (got device={value_of(cfg.device)}, "
+            f"sampler.num_engines={cfg.sampler.num_engines}); use sync.transport=object_store otherwise"
+        )
     placement.check_request(cfg)
     if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray

@@ -39,6 +39,7 @@ from rl_tpu.data.datasets import Example, batches, load_examples
 from rl_tpu.episodes.tools import ToolBox
 from rl_tpu.grader.grader import Grader
 from rl_tpu.models import precision
+from rl_tpu.models.hf import bundle_bytes
 from rl_tpu.models.resolve import check_decoder, resolve_model_path
 from rl_tpu.outputs import checkpoints, plots, rollout_log, tracking
 from rl_tpu.outputs.export import push_to_hub, write_model_card
@@ -229,7 +230,8 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     show_progress = show_progress and Tracker.console in cfg.trainer.logger
     logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress, tracking.for_run(cfg, run_dir), started)
     try:
-        start_ray(cfg.ray)  # before the signal handlers: ray.init installs a SIGTERM handler of its own
+        # before the signal handlers: ray.init installs a SIGTERM handler of its own
+        start_ray(cfg.ray, bundle_bytes(model_path, cfg.model.torch_dtype))
         kind = placement.device_kind(cfg.device, ray.cluster_resources())
         if value_of(cfg.sync.transport) == "tpu_sync" and kind != "tpu":
             raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +31,8 @@ def hf_name(name: str) -> str:
     return name
 
 
-def stored_weights(model_path: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """A model folder's weights in name order, one at a time, cast to `dtype` (a tied head once, as stored)."""
+def weight_files(model_path: str | Path) -> dict[str, Path]:
+    """{weight name: the safetensors file holding it} of a model folder, a tied head once (as the embedding)."""
     from safetensors import safe_open
 
     files = {}
@@ -41,6 +42,25 @@ def stored_weights(model_path: str | Path, dtype: torch.dtype) -> Iterator[tuple
     config = json.loads((Path(model_path) / "config.json").read_text())
     if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in files:
         files.pop("lm_head.weight", None)
+    return files
+
+
+def bundle_bytes(model_path: str | Path, dtype: torch.dtype) -> int:
+    """The bytes of a full weight bundle of this model in `dtype` (read from the files' headers, nothing loaded)."""
+    from safetensors import safe_open
+
+    elements = 0
+    for name, file in weight_files(model_path).items():
+        with safe_open(str(file), "pt") as f:
+            elements += math.prod(f.get_slice(name).get_shape())
+    return elements * dtype.itemsize
+
+
+def stored_weights(model_path: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model folder's weights in name order, one at a time, cast to `dtype` (a tied head once, as stored)."""
+    from safetensors import safe_open
+
+    files = weight_files(model_path)
     for name in sorted(files):
         with safe_open(str(files[name]), "pt") as f:
             yield name, f.get_tensor(name).to(dtype)

@@ -48,22 +48,34 @@ def pad_batch(
     prompt_len = bucketed(max(map(len, batch.prompt_ids)), buckets)
     resp_len = bucketed(max(1, max(map(len, batch.completion_ids))), buckets)
     rows = len(batch)
+    # one vectorised pass: every row's tokens flattened, then scattered to their (row, column) places
+    n_p = torch.tensor([len(p) for p in batch.prompt_ids])
+    n_c = torch.tensor([len(c) for c in batch.completion_ids])
+    row = torch.arange(rows).repeat_interleave(n_p + n_c)
+    first = torch.cumsum(n_p + n_c, 0) - (n_p + n_c)  # each row's first place in the flat tokens
+    column = torch.arange(len(row)) - first[row] + (prompt_len - n_p)[row]
+    flat = torch.tensor([t for p, c in zip(batch.prompt_ids, batch.completion_ids) for t in p + c], dtype=torch.long)
     input_ids = torch.full((rows, prompt_len + resp_len), pad_id, dtype=torch.long)
+    input_ids[row, column] = flat
     attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros((rows, resp_len))
-    sampler_logprobs = torch.zeros((rows, resp_len))
-    targets = torch.full((rows, resp_len), pad_id, dtype=torch.long)
-    advantages = torch.zeros((rows, resp_len))
-    for i, (prompt, completion) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
-        n_p, n_c = len(prompt), len(completion)
-        input_ids[i, prompt_len - n_p : prompt_len + n_c] = torch.tensor(prompt + completion)
-        attention_mask[i, prompt_len - n_p : prompt_len + n_c] = 1
-        response_mask[i, :n_c] = float(batch.in_loss(i))
-        if batch.model_masks is not None:  # environment tokens (tool results) are context, never trained on
-            response_mask[i, :n_c] *= torch.tensor(batch.model_masks[i], dtype=torch.float32)
-        targets[i, :n_c] = torch.tensor(completion)
-        sampler_logprobs[i, :n_c] = torch.tensor(batch.sampler_logprobs[i])
-        advantages[i, :n_c] = torch.tensor(batch.advantages[i])
+    attention_mask[row, column] = 1
+    # the completions' own places: row, and position j in its completion
+    c_row = torch.arange(rows).repeat_interleave(n_c)
+    c_col = torch.arange(len(c_row)) - (torch.cumsum(n_c, 0) - n_c)[c_row]
+
+    def completion_tensor(values: list[list] | torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+        flat_values = values if torch.is_tensor(values) else torch.tensor([v for vs in values for v in vs])
+        out = torch.full((rows, resp_len), fill, dtype=dtype)
+        out[c_row, c_col] = flat_values.to(dtype)
+        return out
+
+    in_loss = torch.tensor([float(batch.in_loss(i)) for i in range(rows)])[c_row]
+    if batch.model_masks is not None:  # environment tokens (tool results) are context, never trained on
+        in_loss = in_loss * torch.tensor([m for mask in batch.model_masks for m in mask], dtype=torch.float32)
+    response_mask = completion_tensor(in_loss, 0.0, torch.float32)
+    targets = completion_tensor(batch.completion_ids, pad_id, torch.long)
+    sampler_logprobs = completion_tensor(batch.sampler_logprobs, 0.0, torch.float32)
+    advantages = completion_tensor(batch.advantages, 0.0, torch.float32)
     # positions count from each row's first real token, as the sampler numbers them
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     tensors = dict(
@@ -86,6 +98,8 @@ def pad_batch(
         if buckets:
             rows += rows[-1:] * (min(len(batch), 1 << (len(rows) - 1).bit_length()) - len(rows))
         tensors.update(prompt_rows=torch.tensor(rows), prompt_index=torch.tensor(index))
+    if device.type == "cuda":  # from page-locked memory the copies run asynchronously, without a staging copy
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
     return {k: v.to(device) for k, v in tensors.items()}
 
 
@@ -193,12 +207,15 @@ def _shared_prompt_logits(model: torch.nn.Module, t: dict[str, torch.Tensor]) ->
     return torch.cat([first, rest], dim=1)
 
 
-def forward_positions(t: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """The positions `token_logprobs` runs through the model for this layout: (real tokens, with padding)."""
-    mask = t["attention_mask"]
+def forward_positions(t: dict[str, torch.Tensor], batch: TrainBatch) -> tuple[int, int]:
+    """The positions `token_logprobs` runs through the model for `batch` laid out as `t`: (real tokens, with
+    padding). Counted on the host from the batch and the tensors' shapes: no value is read from the device."""
+    rows, width = t["attention_mask"].shape
+    resp_len = t["targets"].shape[1]
     if "prompt_rows" not in t:
-        return int(mask.sum()), mask.numel()
-    prompt_len = mask.shape[1] - t["targets"].shape[1]
-    prompts, completions = mask[t["prompt_rows"], :prompt_len], mask[:, prompt_len:-1]
-    distinct = mask[t["prompt_rows"].unique(), :prompt_len]  # a repeated row (bucketed count) computes no real token
-    return int(distinct.sum() + completions.sum()), prompts.numel() + completions.numel()
+        return sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)), rows * width
+    # each distinct prompt runs once (a repeated row of a bucketed count computes no real token); the completions'
+    # last column is not run
+    distinct = {tuple(p) for p in batch.prompt_ids}
+    real = sum(map(len, distinct)) + sum(min(len(c), resp_len - 1) for c in batch.completion_ids)
+    return real, t["prompt_rows"].shape[0] * (width - resp_len) + rows * (resp_len - 1)

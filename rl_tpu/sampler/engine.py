@@ -44,6 +44,8 @@ def sampler_env(enforce_eager: bool) -> dict[str, str]:
     return {**SAMPLER_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {})}
 
 
+CPU_KV_CACHE_GB = 1.0  # the engine's KV cache on CPU when sampler.kv_cache_gb is unset
+
 # weight installs run on a thread of their own, beside the one that serves generations (see EngineTurns)
 SAMPLER_CONCURRENCY = {"weights": 1}
 
@@ -149,6 +151,16 @@ class EngineTurns:
             self._changed.notify_all()
 
 
+def memory_args(kv_cache_gb: float | None, gpu_memory_utilization: float | None, on_cpu: bool) -> dict:
+    """vLLM's memory arguments: the KV cache in bytes where `sampler.kv_cache_gb` is set (on CPU, 1 GiB when not:
+    vLLM would otherwise claim most of the RAM), else the accelerator's share `gpu_memory_utilization` leaves."""
+    if kv_cache_gb is None and on_cpu:
+        kv_cache_gb = CPU_KV_CACHE_GB
+    if kv_cache_gb is not None:
+        return {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+    return {} if gpu_memory_utilization is None or on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
+
+
 class Sampler:
     def __init__(
         self,
@@ -171,11 +183,7 @@ class Sampler:
 
         if options.fp32_residual and dtype != "float32" and current_platform.is_cpu():
             keep_vllm_residual_fp32()
-        if kv_cache_gb is None and current_platform.is_cpu():
-            raise ValueError("sampler.kv_cache_gb is required on CPU (vLLM would otherwise claim most of the RAM)")
-        engine_args = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
-        if options.gpu_memory_utilization is not None and not current_platform.is_cpu():
-            engine_args["gpu_memory_utilization"] = options.gpu_memory_utilization
+        engine_args = memory_args(kv_cache_gb, options.gpu_memory_utilization, current_platform.is_cpu())
         if options.adapters is not None:
             engine_args.update(options.adapters.engine_args())
         if current_platform.is_cpu():
@@ -308,9 +316,11 @@ class Sampler:
         return checked, loading, done
 
     def sleep(self) -> None:
-        """Give the device to the trainer: weights to host memory, KV cache dropped (sleep mode only)."""
+        """Give the device to the trainer (sleep mode only): KV cache dropped, and the weights too where a full
+        bundle replaces them at the next install (level 2); a LoRA base, which no install sends, is kept on the
+        host meanwhile (level 1)."""
         if self.options.sleep_mode:
-            self.llm.sleep(level=1, mode="wait")
+            self.llm.sleep(level=1 if self.options.adapters is not None else 2, mode="wait")
 
     def wake_up(self) -> None:
         if self.options.sleep_mode:

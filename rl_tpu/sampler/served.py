@@ -12,8 +12,18 @@ from rl_tpu.sync.bundle import check_kind, check_names
 
 
 def engine_parameter_names(worker) -> list[str]:
-    """Run inside the vLLM worker: the names of the model's parameters as the engine stores them."""
+    """Run inside the vLLM worker: the names of the model's parameters as the engine stores them (shared ones once)."""
     return [name for name, _ in worker.model_runner.model.named_parameters()]
+
+
+def tied_parameter_names(worker) -> dict[str, str]:
+    """Run inside the vLLM worker: {a second name of a parameter: its first name} (a tied head: its embedding)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in worker.model_runner.model.named_parameters(remove_duplicate=False):
+        tied.update({name: first[id(param)]} if id(param) in first else {})
+        first.setdefault(id(param), name)
+    return tied
 
 
 class FullWeights:
@@ -23,18 +33,20 @@ class FullWeights:
 
     def __init__(self, llm):
         self.llm = llm
-        # what the engine holds (fused names included): every install must fill all of it
+        # what the engine holds (fused names included, a tied head once): every install must fill all of it
         self.engine_params = set(llm.collective_rpc(engine_parameter_names)[0])
-        if getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
-            # vLLM's CPU backend repacks the head into storage of its own: a new embedding alone would leave it stale
-            self.engine_params.add("lm_head.weight")
+        # {a tied weight's source: its second name}: a bundle holds a tied head once, as the embedding
+        self.aliases = {source: alias for alias, source in llm.collective_rpc(tied_parameter_names)[0].items()}
 
     def check(self, bundle: WeightBundle) -> None:
         check_kind(bundle, serves_adapters=False)
         check_names(bundle, self.engine_params)
 
     def install(self, bundle: WeightBundle, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+        # a tied head loaded under its own name too: vLLM's CPU backend packs the head into storage of its own at
+        # load, which the embedding's new values alone would leave stale (on CUDA it shares them: loaded twice)
+        aliased = [(self.aliases[name], tensor) for name, tensor in tensors if name in self.aliases]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors + aliased)})
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def report(self) -> dict[str, float]:

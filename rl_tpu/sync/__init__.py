@@ -9,5 +9,6 @@ Transports (`sync.transport`):
 - `shm_file`: one safetensors file per bucket in a shared-memory folder (`sync.shm_dir`).
 - `collective`: a gloo group of trainer rank 0 and every engine, created on first use and bound to
   rank 0's node address; each bucket is one broadcast of its bytes, in order.
+- `cuda_ipc`: CUDA IPC handles of device buckets, for an engine colocated on rank 0's GPU (`cuda_ipc.py`).
 - `tpu_sync`: TPU Sync pushes between TPU hosts (`tpu_sync.py`; not yet run on hardware).
 """

@@ -13,6 +13,9 @@ class Transport:
     name: str
     # whether any trainer rank may stage buckets: the receiver then fetches each from where it was put
     any_rank_sends: bool = False
+    # whether buckets stay on the device: `put_flat`/`get_flat` move one flat byte tensor each, checked with
+    # `bundle.device_checksum` where it lies, instead of `put`/`get` moving host buffers checked with blake3
+    on_device: bool = False
 
     def prepare(self, bundle_bytes: int) -> None:
         """Called once on a sending rank, before the first bundle, with its size: a transport that keeps bundles

@@ -34,6 +34,46 @@ def checksum(specs: tuple[TensorSpec, ...], buffers: list[np.ndarray]) -> str:
     return hasher.hexdigest()
 
 
+# 16-bit words per partial sum of `device_checksum`: a word (< 2**16) times its weight (< 2**22) summed 2**22 times
+# stays below 2**60, exact in int64 on any device
+CHECKSUM_CHUNK_WORDS = 1 << 22
+
+
+def device_checksum(flat: torch.Tensor) -> str:
+    """A checksum of a flat uint8 tensor, computed where it lies (a GPU bucket never visits the host): the sum of its
+    16-bit words, each times its position + 1, with their plain sum and the length. Exact integer sums, so the same
+    on every device and in any order of reduction; a changed, lost, added or moved word changes it (a word's
+    change times a nonzero weight). Not cryptographic: it guards a handoff between this run's own processes, where
+    corruption and mix-ups are the risk, as the host transports' blake3 does. One read of the device."""
+    words = torch.nn.functional.pad(flat, (0, flat.numel() % 2)).view(torch.int16).to(torch.int64) + 2**15
+    sums = []
+    for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
+        chunk = words[start : start + CHECKSUM_CHUNK_WORDS]
+        weights = torch.arange(1, chunk.numel() + 1, device=chunk.device, dtype=torch.int64)
+        sums.append(torch.stack([(chunk * weights).sum(), chunk.sum()]))
+    partials = torch.stack(sums).tolist() if sums else []
+    weighted = sum(w + k * CHECKSUM_CHUNK_WORDS * plain for k, (w, plain) in enumerate(partials))
+    plain = sum(p for _, p in partials)
+    return f"{flat.numel():x}-{weighted % 2**64:016x}-{plain:x}"
+
+
+def flat_bytes(named: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, one after another, in one flat uint8 tensor on their device."""
+    return torch.cat([tensor.detach().contiguous().view(-1).view(torch.uint8) for tensor in named.values()])
+
+
+def split_flat(flat: torch.Tensor, specs: tuple[TensorSpec, ...]) -> list[torch.Tensor]:
+    """The tensors `flat_bytes` joined, as views of `flat`; raises if the bytes do not fill the specs exactly."""
+    if flat.numel() != sum(spec.num_bytes for spec in specs):
+        raise WeightSyncError(f"a bucket of {flat.numel()} bytes does not hold its {len(specs)} tensors")
+    tensors, offset = [], 0
+    for spec in specs:
+        piece = flat[offset : offset + spec.num_bytes].view(getattr(torch, spec.dtype)).view(spec.shape)
+        tensors.append(piece)
+        offset += spec.num_bytes
+    return tensors
+
+
 def named_checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """One checksum of named CPU tensors taken one at a time (a whole model need not be in memory), in the order
     given: a LoRA run's base, which trainer and engines each compute in name order and compare at every install."""
@@ -72,8 +112,6 @@ def plan_buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-TIED_NAMES = {"lm_head.weight"}
-
 # Weights an engine stores fused, {engine weight: the Hugging Face weights it concatenates, in order}:
 # vLLM's attention and MLP layers for Llama/Qwen-style models. The one place names are mapped.
 FUSED_WEIGHTS = {
@@ -105,7 +143,7 @@ def check_names(bundle: WeightBundle, engine_params: set[str]) -> None:
         filled.setdefault(target, set()).add(name)
         needed[target] = parts
     missing = sorted(engine_params - filled.keys())
-    unexpected = sorted(filled.keys() - engine_params - TIED_NAMES)
+    unexpected = sorted(filled.keys() - engine_params)
     partial = sorted(
         f"{target} ({len(names)} of {needed[target]})"
         for target, names in filled.items()

@@ -10,7 +10,7 @@ import torch
 
 from rl_tpu.records import Bucket, WeightBundle, WeightSyncError
 from rl_tpu.sync.base import Transport
-from rl_tpu.sync.bundle import as_bytes, checksum, plan_buckets, spec_of
+from rl_tpu.sync.bundle import as_bytes, checksum, device_checksum, flat_bytes, plan_buckets, spec_of, split_flat
 from rl_tpu.sync.object_store import ObjectStoreTransport
 from rl_tpu.sync.registry import transport_class
 
@@ -36,8 +36,12 @@ def pack_buckets(
     for index, group in enumerate(groups):
         if group is None:
             continue
+        specs = tuple(spec_of(n, t) for n, t in group.items())
+        if transport.on_device:  # the bucket stays where it was gathered, and is checked there
+            flat = flat_bytes(group)
+            buckets.append(Bucket(specs, device_checksum(flat), transport.put_flat(version, index, flat), index))
+            continue
         named = {n: t.detach().cpu() for n, t in group.items()}
-        specs = tuple(spec_of(n, t) for n, t in named.items())
         buffers = [as_bytes(t) for t in named.values()]
         buckets.append(Bucket(specs, checksum(specs, buffers), transport.put(version, index, named, buffers), index))
     if buckets:
@@ -50,6 +54,8 @@ def unpack(bundle: WeightBundle, receiver: int = 0) -> tuple[list[tuple[str, tor
     """Sampler side (engine `receiver`): fetch and verify every bucket, then rebuild named tensors.
 
     Raises on any mismatch."""
+    if transport_class(bundle.transport).on_device:
+        return _unpack_on_device(bundle, receiver)
     get = transport_class(bundle.transport).get
     start = time.perf_counter()
     fetched = [(bucket, get(bucket, receiver)) for bucket in bundle.buckets]
@@ -66,4 +72,21 @@ def unpack(bundle: WeightBundle, receiver: int = 0) -> tuple[list[tuple[str, tor
         for bucket, buffers in fetched:
             for spec, buf in zip(bucket.specs, buffers):
                 tensors.append((spec.name, torch.from_numpy(buf).view(getattr(torch, spec.dtype)).view(spec.shape)))
+    return tensors, {"fetch_s": got - start, "verify_s": time.perf_counter() - got}
+
+
+def _unpack_on_device(bundle: WeightBundle, receiver: int) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
+    """`unpack` for a transport whose buckets stay on the device: each opened where it lies and checked there."""
+    get = transport_class(bundle.transport).get_flat
+    start = time.perf_counter()
+    fetched = [(bucket, get(bucket, receiver)) for bucket in bundle.buckets]
+    got = time.perf_counter()
+    tensors = []
+    for index, (bucket, flat) in enumerate(fetched):
+        if device_checksum(flat) != bucket.checksum:
+            raise WeightSyncError(
+                f"weight bundle v{bundle.version}: bucket {index} of {len(bundle.buckets)} fails its "
+                f"checksum ({bundle.transport}); nothing was installed"
+            )
+        tensors += [(spec.name, tensor) for spec, tensor in zip(bucket.specs, split_flat(flat, bucket.specs))]
     return tensors, {"fetch_s": got - start, "verify_s": time.perf_counter() - got}

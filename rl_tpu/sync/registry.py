@@ -8,7 +8,7 @@ from rl_tpu.sync.object_store import ObjectStoreTransport
 from rl_tpu.sync.shm_file import ShmFileTransport
 
 CPU_TRANSPORTS = {"object_store": ObjectStoreTransport, "shm_file": ShmFileTransport, "collective": CollectiveTransport}
-TRANSPORT_NAMES = (*CPU_TRANSPORTS, "tpu_sync")
+TRANSPORT_NAMES = (*CPU_TRANSPORTS, "cuda_ipc", "tpu_sync")
 
 
 def transport_class(name: str) -> type[Transport]:
@@ -16,6 +16,10 @@ def transport_class(name: str) -> type[Transport]:
         from rl_tpu.sync.tpu_sync import TpuSyncTransport
 
         return TpuSyncTransport
+    if name == "cuda_ipc":
+        from rl_tpu.sync.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport
     if name not in CPU_TRANSPORTS:
         raise ValueError(f"sync.transport={name!r}: allowed values are {', '.join(TRANSPORT_NAMES)}")
     return CPU_TRANSPORTS[name]

@@ -106,7 +106,7 @@ class MergedWeight:
 
 
 def merged_params(model: nn.Module) -> dict[str, nn.Parameter | MergedWeight]:
-    """Every served weight under its Hugging Face name, the adapted ones as `MergedWeight`s (tied names kept)."""
+    """Every served weight under its Hugging Face name, the adapted ones as `MergedWeight`s (a tied head once)."""
     from peft.tuners.lora import LoraLayer
 
     merged = {}
@@ -119,7 +119,7 @@ def merged_params(model: nn.Module) -> dict[str, nn.Parameter | MergedWeight]:
                 float(module.scaling[ADAPTER]),
             )
     served = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, param in model.named_parameters():
         if not is_adapter_weight(name):
             served[base_name(name)] = merged.get(base_name(name), param)
     return served

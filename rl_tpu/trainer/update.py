@@ -27,7 +27,10 @@ def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
 
 @dataclass
 class UpdateTotals:
-    """A step's sums over this rank's micro-batches, then over every rank: what the step's metrics divide."""
+    """A step's sums over this rank's micro-batches, then over every rank: what the step's metrics divide.
+
+    The sums of device values stay on the device (0-d tensors) until `all_reduce` reads them all at once: a step
+    reads the device once for its figures, not several times a micro-batch (each read is a host sync)."""
 
     loss: float = 0.0  # the updates' losses
     update_tokens: float = 0.0  # tokens in the loss, over every update: the weight of `weighted`
@@ -43,12 +46,13 @@ class UpdateTotals:
         """The sums over every rank, and each rank's peak resident memory, in one all-reduce."""
         names, keys = [f.name for f in fields(self) if f.name != "weighted"], sorted(self.weighted)
         local = [getattr(self, name) for name in names] + [self.weighted[key] for key in keys]
-        rss = torch.zeros(world_size, dtype=torch.float64)
+        rss = [0.0] * world_size
         rss[rank] = peak_rss_mb()
-        summed = torch.cat([torch.tensor(local, dtype=torch.float64), rss])
-        summed = summed.to(device)  # NCCL reduces device tensors only
+        dtype = torch.float32 if device.type == "tpu" else torch.float64
+        # NCCL reduces device tensors only; numbers of the host join the device's sums there
+        summed = torch.stack([torch.as_tensor(value, device=device).to(dtype) for value in local + rss])
         dist.all_reduce(summed)
-        values = summed.tolist()
+        values = summed.tolist()  # the step's one read of the device
         total = UpdateTotals(**dict(zip(names, values)), weighted=dict(zip(keys, values[len(names) : len(local)])))
         return total, values[len(local) :]
 
@@ -141,8 +145,8 @@ class PolicyUpdate:
         grad_norms = []
         for epoch in range(actor.ppo_epochs):
             for count, micros in zip(counts, prepared):
-                for t in micros:
-                    self._backward(t, count, batch, totals, first_epoch=epoch == 0)
+                for micro in micros:
+                    self._backward(*micro, count, batch, totals, first_epoch=epoch == 0)
                 self.borrower.poll()
                 grad_norms.append(self._optimizer_step())
         totals.borrowed_s = self.borrower.take_wide_seconds()
@@ -163,9 +167,9 @@ class PolicyUpdate:
             "perf/rows_skipped_frac": 1.0 - sum(map(len, minis)) / len(batch),
         }
 
-    def _prepare(self, mini: TrainBatch, single_update: bool) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches of a mini-batch, padded, with the logprobs the updates compare against:
-        the reference model's, and the old policy's (None: the one update's own forward gives them)."""
+    def _prepare(self, mini: TrainBatch, single_update: bool) -> list[tuple[TrainBatch, dict[str, torch.Tensor]]]:
+        """This rank's micro-batches of a mini-batch, each with its tensors, padded, with the logprobs the updates
+        compare against: the reference model's, and the old policy's (None: the one update's own forward)."""
         local = mini.shard(self.rank, self.world_size)
         if self.cfg.trainer.sort_by_length:
             local = local.sorted_by_length()
@@ -178,7 +182,7 @@ class PolicyUpdate:
                     t["old_log_probs"] = self._sampling_policy_logprobs(t, temperature)
                 if self.cfg.actor.use_kl_loss:
                     t["ref_log_probs"] = self._reference_logprobs(t, temperature)
-            micros.append(t)
+            micros.append((micro, t))
         return micros
 
     def _padded(self, micro: TrainBatch) -> dict[str, torch.Tensor]:
@@ -223,6 +227,7 @@ class PolicyUpdate:
 
     def _backward(
         self,
+        micro: TrainBatch,
         t: dict[str, torch.Tensor],
         counts: tuple[int, int],
         batch: TrainBatch,
@@ -250,16 +255,17 @@ class PolicyUpdate:
             rollout_is_weights=is_weights,
         )
         loss.backward()
-        n_tok = mask.sum().item()
-        totals.loss += loss.item()
+        # every figure stays on the device: UpdateTotals.all_reduce reads them once a step
+        n_tok = mask.sum()
+        totals.loss += loss.detach()
         totals.update_tokens += n_tok
         for key, value in {**metrics, **is_metrics}.items():
             totals.weighted[key] += value * n_tok  # token-weighted average over micro-batches and updates
         if first_epoch:  # what the batch is, measured once: before any update changed the policy
-            totals.entropy += (entropy.detach() * mask).sum().item()
-            totals.logprob_diff += ((old_log_prob - t["sampler_logprobs"]).abs() * mask).sum().item()
+            totals.entropy += (entropy.detach() * mask).sum()
+            totals.logprob_diff += ((old_log_prob - t["sampler_logprobs"]).abs() * mask).sum()
             totals.tokens += n_tok
-            real, computed = forward_positions(t)
+            real, computed = forward_positions(t, micro)  # counted on the host
             totals.positions_real += real
             totals.positions += computed
 
@@ -267,7 +273,8 @@ class PolicyUpdate:
         """Clip and apply the accumulated gradient; a non-finite one is dropped. Returns the gradient norm."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.algorithm.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):  # a non-finite loss or gradient: nothing of it reaches the weights
+        norm = grad_norm.item()  # an update's one read of the device: whether to apply it
+        if math.isfinite(norm):  # a non-finite loss or gradient: nothing of it reaches the weights
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item()
+        return norm

@@ -22,14 +22,14 @@ Served = torch.nn.Parameter | lora.MergedWeight  # a weight as it leaves the tra
 
 
 def served_params(model: torch.nn.Module, lora_sync: str | None = None) -> dict[str, Served]:
-    """What a sync sends, by served name: every parameter (tied ones under each of their names: vLLM's CPU
-    backend keeps its own copy of a tied head); for a LoRA policy the adapter alone (`adapter`) or every base
-    weight with the adapter merged in (`merged`)."""
+    """What a sync sends, by served name: every parameter, a tied head once (under the embedding's name: the
+    engines fill the head from it); for a LoRA policy the adapter alone (`adapter`) or every base weight with the
+    adapter merged in (`merged`)."""
     if lora_sync == "adapter":
         return lora.adapter_params(model)
     if lora_sync == "merged":
         return lora.merged_params(model)
-    return {hf_name(name): param for name, param in model.named_parameters(remove_duplicate=False)}
+    return {hf_name(name): param for name, param in model.named_parameters()}
 
 
 def gathered(served: Served) -> torch.Tensor:
@@ -43,9 +43,15 @@ def gathered(served: Served) -> torch.Tensor:
 
 
 def served_buckets(
-    params: dict[str, Served], dtype: torch.dtype, bucket_mb: float, rank: int, senders: int = 1
+    params: dict[str, Served],
+    dtype: torch.dtype,
+    bucket_mb: float,
+    rank: int,
+    senders: int = 1,
+    device: torch.device = torch.device("cpu"),
 ) -> Iterator[dict[str, torch.Tensor] | None]:
-    """The served weights bucket by bucket, on the host, in the dtype the sampler serves (`model.dtype`).
+    """The served weights bucket by bucket, on `device` (the host, or the trainer's device for a transport that
+    keeps them there), in the dtype the sampler serves (`model.dtype`).
 
     Collective: every rank iterates, gathering one bucket's parameters from their shards at a
     time, so no process holds more than one bucket beyond its shard. Bucket i goes to rank
@@ -61,7 +67,7 @@ def served_buckets(
         for name in names:
             full = gathered(params[name])
             if rank == owner:
-                bucket[name] = full.to("cpu", dtype)
+                bucket[name] = full.to(device, dtype)
         yield bucket if rank == owner else None
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from rl_tpu.cluster import placement
+from rl_tpu.cluster import placement, rendezvous
 from rl_tpu.cluster.actor_logs import actor_name, send_output_to_file
 from rl_tpu.cluster.core_loan import Borrower
 from rl_tpu.cluster.cores import CpuBinding
@@ -32,6 +32,22 @@ from rl_tpu.sync.registry import make_transport
 from rl_tpu.trainer import checkpoint, lora, weights
 from rl_tpu.trainer.parallelize import materialize, parallelize
 from rl_tpu.trainer.update import PolicyUpdate
+
+
+def attention(implementation: str | None, device: Device, param_dtype: torch.dtype) -> str:
+    """`trainer.attn_implementation`, or by default eager for bf16 on CPU: PyTorch's bf16 CPU flash-attention
+    backward took 0.42 of a 1.7 s reference train step (eager attention: 1.05 s in all), else sdpa."""
+    if implementation:
+        return implementation
+    return "eager" if device.kind == "cpu" and param_dtype == torch.bfloat16 else "sdpa"
+
+
+def pad_id(model_path: str) -> int:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    pad = config.get("pad_token_id")
+    eos = config.get("eos_token_id") or 0
+    # Llama 3 lists several end tokens; any of them pads (padded positions are masked out)
+    return int(pad if pad is not None else (eos[0] if isinstance(eos, list) else eos))
 
 
 class TrainerWorker:
@@ -65,9 +81,10 @@ class TrainerWorker:
         binding = binding or CpuBinding(cfg.trainer.threads_per_rank)
         self.borrower = Borrower(binding, binding.apply(self.name))
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
-        self.device = Device.resolve(cfg.device)
+        self.device = Device.resolve(cfg.device, rendezvous.local_device_index())
+        self.device.select()
         if self.device.dist_backend == "gloo":
-            placement.bind_gloo_to_node_ip()
+            rendezvous.bind_gloo_to_node_ip()
         dist.init_process_group(self.device.dist_backend, rank=rank, world_size=world_size)
         mesh = init_device_mesh(self.device.kind, (world_size,))
         self.lora_sync = cfg.lora_sync  # None: full fine-tuning
@@ -77,7 +94,7 @@ class TrainerWorker:
         with_ref = (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.lora_sync is None
         self.ref_model = self._load_model(mesh).requires_grad_(False) if with_ref else None
         self.update = PolicyUpdate(
-            cfg, self.model, self.ref_model, self.device, rank, world_size, self._pad_id(), self.borrower
+            cfg, self.model, self.ref_model, self.device, rank, world_size, pad_id(model_path), self.borrower
         )
         self.optimizer = self.update.optimizer
         self.served_dtype = cfg.model.torch_dtype
@@ -104,7 +121,7 @@ class TrainerWorker:
             model = AutoModelForCausalLM.from_config(
                 AutoConfig.from_pretrained(self.model_path),
                 dtype=torch.float32,
-                attn_implementation=self._attention(param_dtype),
+                attn_implementation=attention(self.cfg.trainer.attn_implementation, self.device, param_dtype),
             )
         if self.lora_sync is not None:  # before sharding, once: a LoRA run loads no reference model
             self.adapter_config = lora.add_adapters(model, self.cfg.actor.lora, param_dtype)
@@ -138,20 +155,6 @@ class TrainerWorker:
         self.borrower.attach(model)
         return model
 
-    def _attention(self, param_dtype: torch.dtype) -> str:
-        """`trainer.attn_implementation`, or by default eager for bf16 on CPU: PyTorch's bf16 CPU flash-attention
-        backward took 0.42 of a 1.7 s reference train step (eager attention: 1.05 s in all), else sdpa."""
-        if self.cfg.trainer.attn_implementation:
-            return self.cfg.trainer.attn_implementation
-        return "eager" if self.device.kind == "cpu" and param_dtype == torch.bfloat16 else "sdpa"
-
-    def _pad_id(self) -> int:
-        config = json.loads((Path(self.model_path) / "config.json").read_text())
-        pad = config.get("pad_token_id")
-        eos = config.get("eos_token_id") or 0
-        # Llama 3 lists several end tokens; any of them pads (padded positions are masked out)
-        return int(pad if pad is not None else (eos[0] if isinstance(eos, list) else eos))
-
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.update.train_step(batch)
 
@@ -164,9 +167,12 @@ class TrainerWorker:
         return get_model_state_dict(self.model, options=options)
 
     def served_buckets(self, senders: int = 1) -> Iterator[dict[str, torch.Tensor] | None]:
-        return weights.served_buckets(self.served, self.served_dtype, self.cfg.sync.bucket_mb, self.rank, senders)
+        device = self.device.torch_device if self.transport.on_device else torch.device("cpu")
+        return weights.served_buckets(
+            self.served, self.served_dtype, self.cfg.sync.bucket_mb, self.rank, senders, device
+        )
 
-    def publish_weights(self, version: int) -> WeightBundle:
+    def publish_weights(self, version: int, release_memory: bool = False) -> WeightBundle:
         """Stream the served weights (a LoRA policy's adapter alone, `actor.lora.sync=adapter`) into the transport;
         returns this rank's part of the bundle.
 
@@ -175,6 +181,8 @@ class TrainerWorker:
         otherwise rank 0 sends them all and the other ranks' parts are empty."""
         senders = self.world_size if self.transport.any_rank_sends else 1
         bundle = pack_buckets(self.served_buckets(senders), version, self.transport)
+        if release_memory:  # colocated: the engine wakes on this device next
+            self.device.release_cached_memory()
         if self.lora_sync == "adapter" and self.rank == 0:
             bundle = replace(bundle, adapter=self.adapter_config, base_checksum=self.base_checksum)
         return bundle

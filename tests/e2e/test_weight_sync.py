@@ -238,8 +238,7 @@ HF_LAYER = [
     "model.layers.0.mlp.gate_proj.weight",
     "model.layers.0.mlp.up_proj.weight",
     "model.layers.0.mlp.down_proj.weight",
-    "model.embed_tokens.weight",
-    "lm_head.weight",
+    "model.embed_tokens.weight",  # a tied head travels once, as the embedding
 ]
 # vLLM's Qwen3 parameter names (read from a running engine): q/k/v and gate/up are fused
 FUSED_ENGINE = {
@@ -285,9 +284,11 @@ def test_bundle_that_does_not_fill_the_engine_is_refused(names, message):
         check_names(bundle_named(names), FUSED_ENGINE)
 
 
-def test_a_tied_head_left_out_is_refused():
-    """vLLM's CPU backend keeps its own copy of a tied head: the sampler requires it, so a bundle without it fails."""
-    tied_engine = FUSED_ENGINE | {"lm_head.weight"}
-    check_names(bundle_named(HF_LAYER), tied_engine)
+def test_a_head_is_required_where_it_is_not_tied_and_refused_twice_where_it_is():
+    """A tied head shares the embedding's parameter in the engine and travels once; an untied one is a weight."""
+    untied_engine = FUSED_ENGINE | {"lm_head.weight"}
+    check_names(bundle_named([*HF_LAYER, "lm_head.weight"]), untied_engine)
     with pytest.raises(WeightSyncError, match=r"missing \['lm_head.weight'\]"):
-        check_names(bundle_named([n for n in HF_LAYER if n != "lm_head.weight"]), tied_engine)
+        check_names(bundle_named(HF_LAYER), untied_engine)
+    with pytest.raises(WeightSyncError, match=r"unexpected \['lm_head.weight'\]"):
+        check_names(bundle_named([*HF_LAYER, "lm_head.weight"]), FUSED_ENGINE)

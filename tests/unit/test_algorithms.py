@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -333,7 +335,15 @@ def test_bucketed_shared_prompts_run_a_power_of_two_of_prompt_rows(tiny_model_di
         assert (len(shared["prompt_rows"]), len(bucketed["prompt_rows"])) == (prompts, bucketed_prompts)
         # each distinct prompt once, and every completion token (the bucket's last column is padding)
         distinct = {tuple(p) for p in rows.prompt_ids}
-        assert forward_positions(bucketed)[0] == sum(map(len, distinct)) + sum(map(len, rows.completion_ids))
+        assert forward_positions(bucketed, rows)[0] == sum(map(len, distinct)) + sum(map(len, rows.completion_ids))
+        # the host's count is what the attention masks hold: prompts' rows (repeats once) and completions but the last
+        mask, prompt_len = shared["attention_mask"], shared["attention_mask"].shape[1] - shared["targets"].shape[1]
+        counted = mask[shared["prompt_rows"], :prompt_len].sum() + mask[:, prompt_len:-1].sum()
+        assert forward_positions(shared, rows) == (
+            int(counted),
+            len(shared["prompt_rows"]) * prompt_len + mask[:, prompt_len:-1].numel(),
+        )
+        assert forward_positions(plain, rows) == (int(plain["attention_mask"].sum()), plain["attention_mask"].numel())
         with torch.no_grad():
             exact, _ = token_logprobs(model, plain, 1.0)
             bucket, _ = token_logprobs(model, bucketed, 1.0)
@@ -421,3 +431,51 @@ def test_skipping_rows_is_refused_where_they_count():
     assert "actor.entropy_coeff" in algorithms.why_zero_advantage_rows_count(cfg.actor)
     cfg.trainer.skip_zero_advantage_rows = None  # unset: the trainer runs every row, nothing is refused
     algorithms.validate(cfg, ["arithmetic"])
+
+
+@pytest.mark.parametrize("mode", [m.value for m in LossMode])
+def test_every_loss_modes_figures_stay_on_the_device_and_equal_a_plain_call(mode):
+    """`DeviceScalars` around verl's loss keeps its `.item()` figures as tensors; read, they are the plain call's."""
+    torch.manual_seed(0)
+    log_prob = torch.log(torch.rand(4, 6) * 0.9 + 0.05)
+    old, advantages = log_prob + 0.1 * torch.randn(4, 6), torch.randn(4, 6)
+    mask = (torch.rand(4, 6) > 0.2).float()
+    policy_loss = algorithms.PolicyLoss(actor_config(mode, "token-mean"), response_length=6)
+    args = (log_prob, old, advantages, mask, int(mask.sum()), 4, 1)
+    torch.manual_seed(1)  # clip_cov picks among its candidate tokens at random
+    deferred_loss, deferred = policy_loss(*args)
+    torch.manual_seed(1)
+    with mock.patch.object(algorithms, "DeviceScalars", contextlib.nullcontext):
+        plain_loss, plain = policy_loss(*args)
+    assert deferred.keys() == plain.keys()  # gpg reports none
+    assert all(torch.is_tensor(v) for v in deferred.values())  # read once a step, not here
+    assert {k: float(v) for k, v in deferred.items()} == pytest.approx({k: float(v) for k, v in plain.items()})
+    assert torch.equal(deferred_loss, plain_loss)
+
+
+def test_the_batch_layout_puts_every_token_in_its_place(tiny_model_dir):
+    """pad_batch's one vectorised pass against the layout written out row by row: prompts end in column P-1,
+    completions start at P, the loss mask holds in-loss sequences' model tokens only."""
+    batch = make_batch(seed=9, size=6)
+    batch = dataclasses.replace(
+        batch,
+        completion_ids=[*batch.completion_ids[:5], []],  # an empty completion
+        sampler_logprobs=[*batch.sampler_logprobs[:5], []],
+        advantages=[*batch.advantages[:5], []],
+        loss_mask=[True, False, True, True, True, True],
+        model_masks=[[i % 2 for i in range(len(c))] for c in batch.completion_ids[:5]] + [[]],
+    )
+    t = pad_batch(batch, 7, torch.device("cpu"), buckets=(16,))
+    prompt_len, resp_len = 16, 16
+    for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
+        row = [7] * (prompt_len - len(p)) + p + c + [7] * (resp_len - len(c))
+        assert t["input_ids"][i].tolist() == row
+        assert t["attention_mask"][i].tolist() == [0] * (prompt_len - len(p)) + [1] * (len(p) + len(c)) + [0] * (
+            resp_len - len(c)
+        )
+        assert t["targets"][i].tolist() == c + [7] * (resp_len - len(c))
+        in_loss = [float(batch.loss_mask[i] and m) for m in batch.model_masks[i]]
+        assert t["response_mask"][i].tolist() == in_loss + [0.0] * (resp_len - len(c))
+        assert t["sampler_logprobs"][i, : len(c)].tolist() == pytest.approx(batch.sampler_logprobs[i], rel=1e-6)
+        assert t["advantages"][i, : len(c)].tolist() == pytest.approx(batch.advantages[i], rel=1e-6)
+        assert t["position_ids"][i, prompt_len - len(p) : prompt_len + len(c)].tolist() == list(range(len(p) + len(c)))

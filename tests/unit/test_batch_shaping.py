@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_tpu.config import OverlongBufferConfig
+from rl_tpu.config.reward import OverlongBufferConfig
 from rl_tpu.controller import batch_shaping
 from rl_tpu.controller.batch_shaping import GradedBatch
 from rl_tpu.data.datasets import Example

@@ -302,6 +302,32 @@ def test_a_plugin_that_allocates_without_bound_is_stopped_by_the_memory_limit(pl
     assert failure.index == 1 and "MemoryError" in failure.message
 
 
+LARGE_IMPORT = """
+import mmap
+MAPPED = mmap.mmap(-1, 6 * 2**30)  # 6 GiB of address space at import, as a CUDA build of torch maps libraries
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if ground_truth == "allocate":
+        hoard = []
+        while True:
+            hoard.append(bytearray(64 * 2**20))
+    return 1.0
+"""
+
+
+def test_the_memory_limit_counts_from_what_the_plugin_holds_once_loaded(tmp_path):
+    """A plugin whose imports hold more address space than the limit still loads; what it allocates after is capped."""
+    path = tmp_path / "large_import.py"
+    path.write_text(LARGE_IMPORT)
+    grader = grader_for(path, num_workers=1, worker_memory_mb=1024, max_failure_rate=0.5)
+    try:
+        grades = grader.grade(samples(["a", "allocate", "a"]))
+    finally:
+        grader.close()
+    assert grades.scores == [1.0, 0.0, 1.0]
+    assert "MemoryError" in grades.failures[0].message
+
+
 def test_a_cpu_bound_sample_is_stopped_by_the_cpu_limit(plugin):
     """RLIMIT_CPU (timeout_s + 1 s of CPU per sample) ends the worker even before the wall-clock deadline would."""
     grader = grader_for(plugin, num_workers=1, timeout_s=1.0, max_failure_rate=0.5)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rl_tpu.cluster.placement import AGENT_STORE_ENV, RendezvousStore
+from rl_tpu.cluster.rendezvous import AGENT_STORE_ENV, RendezvousStore
 
 RANK = """
 import torch, torch.distributed as dist
