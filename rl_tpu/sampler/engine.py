@@ -110,11 +110,12 @@ def sampled_tokens(completion, settings: SamplingSettings) -> tuple[list[int], l
 
 
 class EngineTurns:
-    """Who uses the engine next: an install that is waiting goes before every generation not yet started.
+    """Who uses the engine next: one call at a time, an install that is waiting before any generation not yet started.
 
     Weight installs run in a concurrency group of their own, so a bundle is fetched and verified while
-    the engine generates, and goes in as soon as the current generation ends, not after generations
-    queued for later steps (a max_staleness of 2 or more). The engine serves one call at a time.
+    the engine generates. An install takes its turn once the generations sent before it have ended
+    (`Sampler.install`'s `earlier`), and the generations sent after it wait for it (the pool's `after`): which
+    weights a batch gets follows from the order of the calls, never from timing, so an async run repeats.
     The waits have no deadline of their own: the controller's call deadline, which names this engine, bounds them.
     """
 
@@ -134,7 +135,11 @@ class EngineTurns:
             self._release()
 
     @contextmanager
-    def install(self) -> Iterator[None]:
+    def install(self, earlier: list | None = None) -> Iterator[None]:
+        """The engine's turn for an install, once the generations sent before it (`earlier`, ObjectRefs) ended:
+        the wait is bounded by the controller's deadline on the install, which names the engine."""
+        if earlier:
+            ray.wait(earlier, num_returns=len(earlier))
         with self._changed:
             self._installs_waiting += 1
             self._changed.wait_for(lambda: not self._busy)
@@ -245,7 +250,7 @@ class Sampler:
         return rollouts
 
     def _turn(self, requests: list[TurnRequest], settings: SamplingSettings) -> list[TurnOutput]:
-        """One model turn of several episodes; the engine is free between turns (an install may go in)."""
+        """One model turn of several episodes (an install sent before their call waits for all of them)."""
         params = [
             sampling_params(
                 settings, 1, r.max_tokens, r.seed, self.options.episodes.stop, self.episodes.parser.stop_token_ids
@@ -276,11 +281,12 @@ class Sampler:
             return outputs, self.version
 
     @ray.method(concurrency_group="weights")
-    def install(self, bundle: WeightBundle, resent: bool = False) -> dict[str, float]:
+    def install(self, bundle: WeightBundle, resent: bool = False, earlier: list | None = None) -> dict[str, float]:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong.
 
         `resent`: the pool sends it again after losing the engine; one brought back with this version already
-        (`SamplerPool.bring_back`) reports instead of refusing it."""
+        (`SamplerPool.bring_back`) reports instead of refusing it. `earlier`: the generations sent to this engine
+        before the install (ObjectRefs), which end before it loads."""
         with self.activity:  # receiving and verifying use the engine's cores too
             start = time.perf_counter()
             # reads every bucket, refused or not: a collective stream stays aligned
@@ -288,7 +294,7 @@ class Sampler:
             if resent and bundle.version == self.version:
                 checked = loading = done = time.perf_counter()
             else:
-                checked, loading, done = self._load(bundle, tensors)
+                checked, loading, done = self._load(bundle, tensors, earlier or [])
             return {
                 **timings,
                 "install_s": done - loading,
@@ -300,14 +306,14 @@ class Sampler:
                 **self.served.report(),
             }
 
-    def _load(self, bundle: WeightBundle, tensors) -> tuple[float, float, float]:
-        """Refuse a bundle that is not newer or does not fill the engine; else load it once the generation under
-        way ends. Returns when the checks ended, when the load began and when it ended."""
+    def _load(self, bundle: WeightBundle, tensors, earlier: list) -> tuple[float, float, float]:
+        """Refuse a bundle that is not newer or does not fill the engine; else load it once the generations sent
+        before it have ended. Returns when the checks ended, when the load began and when it ended."""
         if bundle.version <= self.version:
             raise WeightSyncError(f"sampler serves v{self.version}; refusing older or equal bundle v{bundle.version}")
         self.served.check(bundle)
         checked = time.perf_counter()
-        with self.turns.install():
+        with self.turns.install(earlier):
             loading = time.perf_counter()
             self.served.install(bundle, tensors)
             self.version = bundle.version

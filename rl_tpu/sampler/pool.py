@@ -119,6 +119,8 @@ class SamplerPool:
     pending: PendingInstall | None = None
     # at the last install: when it returned, and each engine's busy seconds then (for the idle time between installs)
     last_install: tuple[float, list[float]] | None = None
+    # per engine: the generations sent since its last install, which the next install goes in after
+    sent_since_install: dict[int, list] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -149,6 +151,7 @@ class SamplerPool:
             )
             after = self.pending.sent[engine][0] if self.pending else None
             ref = self.engines[engine].generate.remote(*args, after=after)
+            self.sent_since_install.setdefault(engine, []).append(ref)
             chunks.append(Chunk(engine, part, args, ref, self.lives.get(engine, 0), self.version))
         return PendingRollouts(self, chunks)
 
@@ -167,7 +170,12 @@ class SamplerPool:
         generations sent meanwhile wait for it on their engine. Returns the figures of the install before, if
         it was not waited for yet (empty if none was pending)."""
         previous = self.finish_install()
-        sent = [(engine.install.remote(bundle), self.lives.get(i, 0)) for i, engine in enumerate(self.engines)]
+        # each engine loads it after the generations sent before it (in a list: Ray passes them unresolved, so the
+        # bundle is fetched and verified meanwhile): every batch's weights follow from the order of the calls alone
+        sent = [
+            (engine.install.remote(bundle, earlier=self.sent_since_install.pop(i, [])), self.lives.get(i, 0))
+            for i, engine in enumerate(self.engines)
+        ]
         self.pending, self.version = PendingInstall(bundle, sent, time.monotonic() + timeout_s), bundle.version
         return previous
 

@@ -1,5 +1,5 @@
-"""An install waiting for the engine goes before generations queued after the one under way; generations the pool
-sends behind an install it has not waited for run with that install's weights."""
+"""An install goes in after the generations sent before it, and before any generation not yet started beside it;
+generations the pool sends behind an install it has not waited for run with that install's weights."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ class SlowEngine:
             return self.version
 
     @ray.method(concurrency_group="weights")
-    def install(self, version: int) -> str:
-        with self.turns.install():
+    def install(self, version: int, earlier: list | None = None) -> str:
+        with self.turns.install(earlier):
             self.version = version
             self.log.append(f"install v{version}")
         return "\n".join(self.log)
@@ -75,16 +75,17 @@ class SlowEngine:
         return list(self.log)
 
 
-def test_ray_runs_the_install_between_queued_generations(ray_cluster):
+def test_an_install_goes_in_after_the_generations_sent_before_it_whatever_their_timing(ray_cluster):
+    """The pool's order: generations queued before the install keep the old weights even when the install is
+    ready before they start (it was not, until 2026-12-06: then a batch's weights depended on timing)."""
     engine = ray.remote(concurrency_groups=SAMPLER_CONCURRENCY)(SlowEngine).options(num_cpus=0).remote()
     ray.get(engine.__ray_ready__.remote(), timeout=60)
     under_way = engine.generate.remote(2.0)
     queued = [engine.generate.remote(0.1), engine.generate.remote(0.1)]
     wait_until(lambda: ray.get(engine.events.remote(), timeout=30) == ["generate with v0"], timeout_s=30)
-    log = ray.get(engine.install.remote(1), timeout=30)
-    assert ray.get(under_way, timeout=30) == 0
-    assert ray.get(queued, timeout=30) == [1, 1], log
-    assert log.splitlines() == ["generate with v0", "install v1"]
+    log = ray.get(engine.install.remote(1, earlier=[under_way, *queued]), timeout=30)  # in a list: unresolved
+    assert ray.get([under_way, *queued], timeout=30) == [0, 0, 0]
+    assert log.splitlines() == ["generate with v0"] * 3 + ["install v1"]
 
 
 class InstallingEngine:
@@ -100,7 +101,7 @@ class InstallingEngine:
         return [Rollout(p, [1], [0.0], self.version, "stop", g) for g, p in enumerate(prompts)]
 
     @ray.method(concurrency_group="weights")
-    def install(self, bundle, resent: bool = False) -> dict:
+    def install(self, bundle, resent: bool = False, earlier: list | None = None) -> dict:
         time.sleep(1.0)
         if bundle.bad:
             raise ValueError(f"bundle v{bundle.version} fails its checksum")
@@ -143,7 +144,7 @@ class RestartableEngine(InstallingEngine):
         self.installing = Path(folder) / "installing"
 
     @ray.method(concurrency_group="weights")
-    def install(self, bundle, resent: bool = False) -> dict:
+    def install(self, bundle, resent: bool = False, earlier: list | None = None) -> dict:
         if bundle.version <= self.version and not (resent and bundle.version == self.version):
             raise ValueError(f"serves v{self.version}; refusing v{bundle.version}")
         self.installing.touch()

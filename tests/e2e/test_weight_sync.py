@@ -82,7 +82,7 @@ def test_sync_makes_engine_equal_a_fresh_engine_and_enforces_the_contract(
     running = launch_sampler(str(tiny_model_dir), "float32", 128, 0.25, seed=0)
     before = _generate(ray, running, prompts)
 
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}  # as a trainer sends: a tied head once
     bundle = pack(state, version=1, transport=sender, bucket_mb=1.0)
     assert len(bundle.buckets) > 3  # 13 MB in 1 MB buckets
     ray.get(running.install.remote(bundle))
@@ -147,7 +147,7 @@ def test_a_compiled_engine_serves_installed_weights_as_an_eager_one(
     )
     before = _generate(ray, compiled, prompts)
     assert ray.get(compiled.compiled_graphs.remote(), timeout=CALL_TIMEOUT_S) > 0
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}  # as a trainer sends: a tied head once
     bundle = pack(state, version=1, transport=make_transport("object_store"), bucket_mb=1.0)
     ray.get(compiled.install.remote(bundle), timeout=CALL_TIMEOUT_S)
     synced, expected = _generate(ray, compiled, prompts), _generate(ray, fresh_engine, prompts)
@@ -221,7 +221,7 @@ def test_parts_from_several_senders_merge_in_bucket_order(ray_cluster):
 
 
 def test_unknown_transport_names_allowed_values():
-    with pytest.raises(ValueError, match="allowed values are object_store, shm_file, collective, tpu_sync"):
+    with pytest.raises(ValueError, match="allowed values are object_store, shm_file, collective, cuda_ipc, tpu_sync"):
         make_transport("nccl")
 
 
