@@ -114,7 +114,8 @@ class EngineTurns:
 
     Weight installs run in a concurrency group of their own, so a bundle is fetched and verified while
     the engine generates. An install takes its turn once the generations sent before it have ended
-    (`Sampler.install`'s `earlier`), and the generations sent after it wait for it (the pool's `after`): which
+    (the earlier argument of Sampler.install), and the generations sent after it wait for it (the pool's after
+    argument): which
     weights a batch gets follows from the order of the calls, never from timing, so an async run repeats.
     The waits have no deadline of their own: the controller's call deadline, which names this engine, bounds them.
     """
@@ -136,7 +137,7 @@ class EngineTurns:
 
     @contextmanager
     def install(self, earlier: list | None = None) -> Iterator[None]:
-        """The engine's turn for an install, once the generations sent before it (`earlier`, ObjectRefs) ended:
+        """The engine's turn for an install, once the generations sent before it (earlier: ObjectRefs) ended:
         the wait is bounded by the controller's deadline on the install, which names the engine."""
         if earlier:
             ray.wait(earlier, num_returns=len(earlier))
@@ -285,7 +286,7 @@ class Sampler:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong.
 
         `resent`: the pool sends it again after losing the engine; one brought back with this version already
-        (`SamplerPool.bring_back`) reports instead of refusing it. `earlier`: the generations sent to this engine
+        (`SamplerPool.bring_back`) reports instead of refusing it. earlier: the generations sent to this engine
         before the install (ObjectRefs), which end before it loads."""
         with self.activity:  # receiving and verifying use the engine's cores too
             start = time.perf_counter()
