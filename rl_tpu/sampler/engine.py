@@ -115,8 +115,8 @@ class EngineTurns:
     Weight installs run in a concurrency group of their own, so a bundle is fetched and verified while
     the engine generates. An install takes its turn once the generations sent before it have ended
     (the earlier argument of Sampler.install), and the generations sent after it wait for it (the pool's after
-    argument): which
-    weights a batch gets follows from the order of the calls, never from timing, so an async run repeats.
+    argument): which weights a batch gets follows from the order of the calls, never from timing, so an async
+    run repeats.
     The waits have no deadline of their own: the controller's call deadline, which names this engine, bounds them.
     """
 
