@@ -62,10 +62,7 @@ def unpack(bundle: WeightBundle, receiver: int = 0) -> tuple[list[tuple[str, tor
     got = time.perf_counter()
     for index, (bucket, buffers) in enumerate(fetched):
         if len(buffers) != len(bucket.specs) or checksum(bucket.specs, buffers) != bucket.checksum:
-            raise WeightSyncError(
-                f"weight bundle v{bundle.version}: bucket {index} of {len(bundle.buckets)} fails its "
-                f"checksum ({bundle.transport}); nothing was installed"
-            )
+            raise checksum_failure(bundle, index)
     tensors = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # zero-copy views are read-only; the engine copies them
@@ -84,9 +81,13 @@ def _unpack_on_device(bundle: WeightBundle, receiver: int) -> tuple[list[tuple[s
     tensors = []
     for index, (bucket, flat) in enumerate(fetched):
         if device_checksum(flat) != bucket.checksum:
-            raise WeightSyncError(
-                f"weight bundle v{bundle.version}: bucket {index} of {len(bundle.buckets)} fails its "
-                f"checksum ({bundle.transport}); nothing was installed"
-            )
+            raise checksum_failure(bundle, index)
         tensors += [(spec.name, tensor) for spec, tensor in zip(bucket.specs, split_flat(flat, bucket.specs))]
     return tensors, {"fetch_s": got - start, "verify_s": time.perf_counter() - got}
+
+
+def checksum_failure(bundle: WeightBundle, index: int) -> WeightSyncError:
+    return WeightSyncError(
+        f"weight bundle v{bundle.version}: bucket {index} of {len(bundle.buckets)} fails its checksum "
+        f"({bundle.transport}); nothing was installed"
+    )
