@@ -7,4 +7,4 @@ unchanged as a custom reward function. How rewards are run (worker processes, ti
 weights) is `rl_tpu.grader`'s business.
 """
 
-BUILTIN_REWARDS = ("arithmetic", "gsm8k", "math", "format")
+BUILTIN_REWARDS = ("arithmetic", "gsm8k", "math", "format", "reasoning_gym")

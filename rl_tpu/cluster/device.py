@@ -69,6 +69,12 @@ class Device:
         if self.kind == "cuda":
             torch.cuda.set_device(self.local_index)
 
+    def total_memory(self) -> int | None:
+        """The device's memory in bytes (CUDA: read from its properties, nothing allocated); None where unknown."""
+        if self.kind == "cuda":
+            return torch.cuda.get_device_properties(self.local_index).total_memory
+        return None
+
     def release_cached_memory(self) -> None:
         """Hand the memory the caching allocator keeps back to the device (for an engine that shares it)."""
         if self.kind == "cuda":

@@ -30,6 +30,7 @@ from rl_tpu.config.choices import (
 )
 from rl_tpu.config.episode import EpisodeConfig
 from rl_tpu.config.lora import LoraConfig
+from rl_tpu.config.reasoning_gym import ReasoningGymConfig
 from rl_tpu.config.reward import CustomRewardConfig, RewardConfig
 from rl_tpu.config.tiny import TinyModelConfig
 
@@ -70,7 +71,9 @@ class DataConfig:
     # the order of the training prompts; None: data.seed. A run's seeds are this, sampler.seed and seed: changing
     # them alone keeps the model and the held-out set
     shuffle_seed: Optional[int] = None
-    # the synthetic arithmetic task (used when train_files is unset)
+    # a reasoning-gym task generated in place of data files, e.g. data.reasoning_gym.task=products
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    # the synthetic arithmetic task (used when neither train_files nor reasoning_gym.task is set)
     ops: str = "+-"
     max_operand: int = 99
     num_eval: int = 512
@@ -78,6 +81,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.train_batch_size < 1:
             raise ValueError(f"data.train_batch_size={self.train_batch_size} must be at least 1")
+        if self.train_files and self.reasoning_gym.task:
+            raise ValueError(
+                f"data.train_files={self.train_files!r} and data.reasoning_gym.task={self.reasoning_gym.task!r} are both "
+                "set: a run trains on data files or on a reasoning-gym task, not both"
+            )
 
 
 @dataclass
@@ -213,6 +221,9 @@ class AlgorithmConfig:
     grad_clip: float = 1.0  # gradient norm clip
 
 
+MEMORY_CHECKS = ("refuse", "warn", "off")  # trainer.memory_check
+
+
 @dataclass
 class TrainerConfig:
     world_size: int = 1  # FSDP2 ranks (Ray actors)
@@ -254,6 +265,9 @@ class TrainerConfig:
     # size 2, CPU train steps 10-20% slower (benchmarks/README.md, trainer_memory.py). None: on for models
     # whose weight files hold 256 MiB or more; on the 3.3M reference model it doubled the train step
     return_freed_memory: Optional[bool] = None
+    # refuse a run whose memory plan (logged at start, an estimate) exceeds a device's memory; warn: start anyway;
+    # off: no plan (rl_tpu/controller/memory_plan.py)
+    memory_check: str = "refuse"
     # place trainer ranks only on Ray nodes with these labels (`ray start --labels=role=trainer`); {}: anywhere
     node_labels: dict[str, str] = field(default_factory=dict)
     total_steps: int = 100  # training steps (each: generate, score, update, push weights); 0: evaluate the model only
@@ -316,6 +330,10 @@ class TrainerConfig:
             raise ValueError(
                 f"trainer.world_size={self.world_size} and trainer.logprob_chunk_size={self.logprob_chunk_size} "
                 "must be at least 1"
+            )
+        if self.memory_check not in MEMORY_CHECKS:
+            raise ValueError(
+                f"trainer.memory_check={self.memory_check!r}: allowed values are {', '.join(MEMORY_CHECKS)}"
             )
 
 

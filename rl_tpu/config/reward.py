@@ -30,7 +30,7 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "arithmetic"  # a built-in: arithmetic, gsm8k, math, format (rewards/NAME.py)
+    name: str = "arithmetic"  # a built-in: arithmetic, gsm8k, math, format, reasoning_gym (rewards/NAME.py)
     # A weighted sum instead of one reward, e.g. {gsm8k: 1.0, format: 0.1}; the key `custom` is the
     # plugin. It must include the primary reward (`custom` when set, else `name`): eval/accuracy.
     combine: dict[str, float] = field(default_factory=dict)

@@ -260,6 +260,7 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
             binding,
             episode_options(cfg, max_len),
             adapter_serving(cfg),
+            value_of(cfg.sync.transport),
         )
         ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
         workers.samplers.engines.append(
@@ -282,8 +283,15 @@ def restarts_in_place(cfg: RunConfig) -> bool:
 
 def check_transport_reach(cfg: RunConfig, reservation: placement.Reservation) -> None:
     """`shm_file` passes files through one node's shared memory: rank 0 and every engine must share that node;
-    `cuda_ipc` passes device memory: the one engine must share rank 0's GPU."""
+    `cuda_ipc` passes device memory: the one engine must share rank 0's GPU; `nccl` joins rank 0 and the engines in
+    one NCCL group, which cannot hold two ranks on one GPU."""
     transport = value_of(cfg.sync.transport)
+    if transport == "nccl" and reservation.plan.engines_sleep:  # sleeping engines: colocated on CUDA
+        raise placement.PlacementError(
+            "sync.transport=nccl joins trainer rank 0 and the engines in one NCCL group, which cannot hold two ranks "
+            f"on one GPU, but this run's layout is {reservation.plan.layout}, colocated: use sync.transport=cuda_ipc "
+            "(one engine) or object_store, or placement=disaggregated with GPUs for both"
+        )
     if transport == "cuda_ipc" and not reservation.plan.engines_sleep:  # sleeping engines: colocated on CUDA
         raise placement.PlacementError(
             f"sync.transport=cuda_ipc hands GPU memory to an engine on the same GPU, but this run's layout is "

@@ -13,6 +13,7 @@ from rl_tpu.controller import batch_shaping
 from rl_tpu.grader.grader import reward_sources
 from rl_tpu.models.safe_checkpoint import check_metadata
 from rl_tpu.outputs import checkpoints
+from rl_tpu.sync.registry import CPU_TRANSPORTS
 
 
 def validate(cfg: RunConfig) -> None:
@@ -46,9 +47,27 @@ def validate(cfg: RunConfig) -> None:
             f"device=cuda (or auto on a GPU host) and sampler.num_engines=1 (got device={value_of(cfg.device)}, "
             f"sampler.num_engines={cfg.sampler.num_engines}); use sync.transport=object_store otherwise"
         )
+    if value_of(cfg.sync.transport) == "nccl":
+        check_nccl(cfg)
     placement.check_request(cfg)
     if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray
+
+
+def check_nccl(cfg: RunConfig) -> None:
+    """`sync.transport=nccl` broadcasts between GPUs, one NCCL rank per GPU: CUDA, and engines on GPUs of their own
+    (any number of them). Only an explicit placement=colocated is seen here: auto resolves when actors are placed."""
+    device, layout = value_of(cfg.device), value_of(cfg.placement)
+    if device not in ("cpu", "tpu") and layout != "colocated":
+        return
+    # what works there: the host transports, and TPU Sync on TPU or, colocated on CUDA with one engine, CUDA IPC
+    own = {"tpu": ("tpu_sync",), "cpu": ()}.get(device, ("cuda_ipc",) if cfg.sampler.num_engines == 1 else ())
+    raise ValueError(
+        f"sync.transport=nccl broadcasts weights over NCCL from trainer rank 0's GPU to engines on GPUs of their "
+        f"own: it needs device=cuda (or auto on a GPU host) and placement=disaggregated or auto (got "
+        f"device={device}, placement={layout}); allowed values of sync.transport here: "
+        f"{', '.join((*CPU_TRANSPORTS, *own))}"
+    )
 
 
 # Settings a resumed run may change, each change logged: where and how fast it runs, how long, what it records.
@@ -65,6 +84,7 @@ RESUME_MAY_CHANGE = (
     *(f"trainer.{key}" for key in ("checkpoint_every", "checkpoint_final", "keep_last", "max_skipped_steps")),
     *(f"trainer.{key}" for key in ("resume", "max_restarts", "logger", "project_name", "experiment_name")),
     "trainer.rollout_data_dir",
+    "trainer.memory_check",
     "reward.num_workers",
 )
 

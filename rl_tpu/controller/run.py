@@ -28,7 +28,7 @@ from rl_tpu.algorithms.kl_reward import KLInReward
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
-from rl_tpu.controller import evaluation
+from rl_tpu.controller import evaluation, memory_plan
 from rl_tpu.controller.actors import Workers, start_workers, tool_settings
 from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resumed_settings, validate
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
@@ -36,11 +36,12 @@ from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue, dump_row
 from rl_tpu.controller.step import grpo_step
 from rl_tpu.data.arithmetic import ensure_arithmetic_dataset
 from rl_tpu.data.datasets import Example, batches, load_examples
+from rl_tpu.data.reasoning_gym import ensure_reasoning_gym_dataset
 from rl_tpu.episodes.tools import ToolBox
 from rl_tpu.grader.grader import Grader
 from rl_tpu.models import precision
 from rl_tpu.models.hf import bundle_bytes
-from rl_tpu.models.resolve import check_decoder, resolve_model_path
+from rl_tpu.models.resolve import check_context, check_decoder, resolve_model_path
 from rl_tpu.outputs import checkpoints, plots, rollout_log, tracking
 from rl_tpu.outputs.export import push_to_hub, write_model_card
 from rl_tpu.outputs.metrics import MetricsLogger, final_accuracy
@@ -53,12 +54,20 @@ LORA_SENDS = {
 }
 
 
+def training_data(cfg: RunConfig) -> str:
+    """What the run trains on, in words."""
+    task = cfg.data.reasoning_gym.task
+    return cfg.data.train_files or (f"reasoning-gym's {task} task" if task else "the arithmetic task")
+
+
 def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
     d = cfg.data
     if d.train_files:
         if not d.val_files:
             raise ValueError("data.train_files is set but data.val_files is not; held-out accuracy needs a val file")
         return Path(d.train_files), Path(d.val_files)
+    if d.reasoning_gym.task:
+        return ensure_reasoning_gym_dataset(cache_dir / "data", d.reasoning_gym, d.num_eval, d.seed)
     return ensure_arithmetic_dataset(cache_dir / "data", d.ops, d.max_operand, d.num_eval, d.seed)
 
 
@@ -177,9 +186,15 @@ def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]
     if cfg.data.train_batch_size > len(train_examples):
         raise ValueError(
             f"data.train_batch_size={cfg.data.train_batch_size} is larger than the "
-            f"{len(train_examples)} usable prompts of {cfg.data.train_files or 'the arithmetic task'}"
+            f"{len(train_examples)} usable prompts of {training_data(cfg)}"
         )
     check_decoder(model_path, cfg.model.fp32_residual and value_of(cfg.model.dtype) != "float32")
+    keys = (
+        "episode.max_tokens, or sampler.response_length x episode.max_turns"
+        if cfg.episode.enable
+        else ("sampler.response_length")
+    )
+    check_context(model_path, cfg.data.max_prompt_length, cfg.completion_tokens, keys)
 
 
 def load_datasets(cfg: RunConfig, cache_dir: Path, tokenizer) -> tuple[list[Example], list[Example]]:
@@ -225,6 +240,7 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
     check_inputs(cfg, model_path, train_examples)
+    memory_plan.check(cfg, model_path)  # logged, and refused past a device's memory, before Ray starts
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     grader = Grader(cfg.reward, cfg.custom_reward_function, str(run_dir / "logs"))
     show_progress = show_progress and Tracker.console in cfg.trainer.logger

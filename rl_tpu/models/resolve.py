@@ -73,6 +73,20 @@ def preset_key_fields(tiny: TinyModelConfig) -> dict:
     return fields
 
 
+def check_context(model_path: Path, prompt_tokens: int, completion_tokens: int, completion_keys: str) -> None:
+    """A prompt and its completion must fit the model's positions (vLLM refuses a longer context, later, in the
+    engine's actor)."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + completion_tokens > limit:
+        raise ValueError(
+            f"data.max_prompt_length={prompt_tokens} plus {completion_tokens} completion tokens ({completion_keys}) is "
+            f"{prompt_tokens + completion_tokens}, over the {limit} positions of model {model_path} "
+            "(max_position_embeddings): lower them"
+        )
+
+
 def check_decoder(model_path: Path, fp32_residual: bool = False) -> None:
     """The trainer shards `model.model.layers` block by block (and, with `fp32_residual`, replaces their
     RMSNorms): check a model has them, built on the meta device."""

@@ -13,7 +13,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import ray
 import torch
@@ -73,6 +73,7 @@ class EngineOptions:
     binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
     episodes: EpisodeOptions | None = None  # multi-turn episodes with tools; None: one completion per sample
     adapters: AdapterServing | None = None  # a LoRA policy served as base plus adapter; None: full weights
+    transport: str = "object_store"  # sync.transport; nccl: its worker receives over vLLM's NCCL weight transfer
 
 
 def sampling_params(
@@ -167,6 +168,22 @@ def memory_args(kv_cache_gb: float | None, gpu_memory_utilization: float | None,
     return {} if gpu_memory_utilization is None or on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
 
 
+def engine_args(options: EngineOptions, kv_cache_gb: float | None, on_cpu: bool) -> dict[str, Any]:
+    """vLLM's settings that follow from the engine's options: memory, adapters, prefill, weight transfer."""
+    args = memory_args(kv_cache_gb, options.gpu_memory_utilization, on_cpu)
+    if options.adapters is not None:
+        args.update(options.adapters.engine_args())
+    if on_cpu:
+        # Per-prompt seeds (exact resume) fail on CPU when a prompt's prefill is split across steps:
+        # vLLM then rewinds the request's generator, and CPU generators have no offset to rewind.
+        args["enable_chunked_prefill"] = False
+    if options.transport == "nccl":  # its worker makes vLLM's NCCL weight-transfer engine (rl_tpu/sync/nccl.py)
+        from rl_tpu.sync.nccl import WEIGHT_TRANSFER_CONFIG
+
+        args["weight_transfer_config"] = WEIGHT_TRANSFER_CONFIG
+    return args
+
+
 class Sampler:
     def __init__(
         self,
@@ -189,13 +206,6 @@ class Sampler:
 
         if options.fp32_residual and dtype != "float32" and current_platform.is_cpu():
             keep_vllm_residual_fp32()
-        engine_args = memory_args(kv_cache_gb, options.gpu_memory_utilization, current_platform.is_cpu())
-        if options.adapters is not None:
-            engine_args.update(options.adapters.engine_args())
-        if current_platform.is_cpu():
-            # Per-prompt seeds (exact resume) fail on CPU when a prompt's prefill is split across steps:
-            # vLLM then rewinds the request's generator, and CPU generators have no offset to rewind.
-            engine_args["enable_chunked_prefill"] = False
         self.options = options
         self.llm = LLM(
             model=model_path,
@@ -205,8 +215,12 @@ class Sampler:
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
             enforce_eager=options.enforce_eager,
             enable_sleep_mode=options.sleep_mode,
-            **engine_args,
+            **engine_args(options, kv_cache_gb, current_platform.is_cpu()),
         )
+        if options.transport == "nccl":
+            from rl_tpu.sync.nccl import attach_engine
+
+            attach_engine(options.index, self.llm)  # joins the trainer's group at its first bundle
         self.version = 0
         self.turns = EngineTurns()
         self.activity = EngineActivity(options.binding.activity_folder, options.index)

@@ -10,5 +10,7 @@ Transports (`sync.transport`):
 - `collective`: a gloo group of trainer rank 0 and every engine, created on first use and bound to
   rank 0's node address; each bucket is one broadcast of its bytes, in order.
 - `cuda_ipc`: CUDA IPC handles of device buckets, for an engine colocated on rank 0's GPU (`cuda_ipc.py`).
+- `nccl`: an NCCL broadcast of device buckets from rank 0's GPU to every engine on GPUs of their own, through
+  vLLM's weight-transfer API (`nccl.py`; not yet run on a GPU).
 - `tpu_sync`: TPU Sync pushes between TPU hosts (`tpu_sync.py`; not yet run on hardware).
 """

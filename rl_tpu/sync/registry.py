@@ -1,4 +1,4 @@
-"""The registry of transports by `sync.transport` name; the TPU one is imported only when asked for."""
+"""The registry of transports by `sync.transport` name; the device ones are imported only when asked for."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rl_tpu.sync.object_store import ObjectStoreTransport
 from rl_tpu.sync.shm_file import ShmFileTransport
 
 CPU_TRANSPORTS = {"object_store": ObjectStoreTransport, "shm_file": ShmFileTransport, "collective": CollectiveTransport}
-TRANSPORT_NAMES = (*CPU_TRANSPORTS, "cuda_ipc", "tpu_sync")
+TRANSPORT_NAMES = (*CPU_TRANSPORTS, "cuda_ipc", "tpu_sync", "nccl")
 
 
 def transport_class(name: str) -> type[Transport]:
@@ -20,6 +20,10 @@ def transport_class(name: str) -> type[Transport]:
         from rl_tpu.sync.cuda_ipc import CudaIpcTransport
 
         return CudaIpcTransport
+    if name == "nccl":  # imports vLLM's weight-transfer modules
+        from rl_tpu.sync.nccl import NcclTransport
+
+        return NcclTransport
     if name not in CPU_TRANSPORTS:
         raise ValueError(f"sync.transport={name!r}: allowed values are {', '.join(TRANSPORT_NAMES)}")
     return CPU_TRANSPORTS[name]
@@ -32,6 +36,6 @@ def make_transport(
     cls = transport_class(name)
     if cls is ShmFileTransport:
         return cls(shm_dir)
-    if cls is CollectiveTransport:
+    if cls is CollectiveTransport or name == "nccl":
         return cls(host, receivers)
     return cls(bind_ip=host) if name == "tpu_sync" else cls()

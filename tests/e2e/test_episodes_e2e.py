@@ -5,6 +5,7 @@ answers; after every weight sync the engine's and the trainer's fp32 logprobs of
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -26,13 +27,13 @@ EPISODE_OVERRIDES = (
     "data.num_eval=16",
     "trainer.eval_every=2",
     "trainer.world_size=2",
-    f"episode.function_tool_path={REPO / 'examples/tools/calc_function.py'}",
 )
+CALC_FUNCTION = f"episode.function_tool_path={REPO / 'examples/tools/calc_function.py'}"
 
 
-def episode_cli(run_dir, cache_dir, *overrides: str) -> None:
-    """A run of the tool_math recipe (conftest's run_cli runs grpo_math's)."""
-    command = [*MODULE_CLI, *EPISODE_OVERRIDES, f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}", *overrides]
+def episode_cli(run_dir, cache_dir, *overrides: str, tool: str = CALC_FUNCTION) -> None:
+    """A run of the tool_math recipe (conftest's run_cli runs grpo_math's) with the calculator `tool`."""
+    command = [*MODULE_CLI, *EPISODE_OVERRIDES, tool, f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}", *overrides]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         sys.stderr.write(done.stdout[-5000:] + done.stderr[-5000:])
@@ -69,3 +70,30 @@ def test_a_sync_run_with_a_deterministic_tool_resumes_exactly(episode_run):
     trained = [r for r in read_metrics(episode_run / "resumed" / "metrics.jsonl") if "actor/loss" in r]
     assert [r["step"] for r in trained] == [3, 4]
     assert_same_steps(trained, episode_run / "run", keys=("episode/env_tokens_mean", "episode/tool_calls_mean"))
+
+
+def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_runs(episode_run):
+    """reasoning-gym's `basic_arithmetic` in place of data files, scored by its own scorer; the calculator an OpenEnv
+    `Environment` behind rl_tpu's OpenEnvTool, named in a verl tools YAML."""
+    run = episode_run / "reasoning_gym"
+    episode_cli(
+        run,
+        episode_run / "cache",
+        "trainer.total_steps=2",
+        "data.reasoning_gym.task=basic_arithmetic",  # short questions: the tiny model has 128 positions
+        "+data.reasoning_gym.config={max_terms: 2, max_digits: 2}",
+        "data.reasoning_gym.size=32",
+        "data.reasoning_gym.system_prompt=null",
+        "reward.name=reasoning_gym",
+        "data.train_batch_size=8",  # 128 episodes: the warm start's calls are rarer on reasoning-gym's wording
+        "sampler.n=8",
+        "episode.function_tool_path=null",  # the recipe's calc function: the OpenEnv tool has its name
+        f"trainer.rollout_data_dir={run / 'rollouts'}",
+        tool=f"episode.tools_config_file={REPO / 'examples/tools/openenv_calculator.yaml'}",
+    )
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows if "actor/loss" in r] == [1, 2]
+    assert sum(r.get("episode/tool/calc/calls", 0) for r in rows) > 0, "the OpenEnv calculator was never called"
+    dumped = [json.loads(line) for line in (run / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert dumped and all(row["input"].startswith("Calculate ") for row in dumped)  # reasoning-gym's question
+    assert all(0.0 <= row["score"] <= 1.0 for row in dumped)

@@ -192,3 +192,11 @@ def test_a_section_checks_its_own_fields_when_made_and_again_at_start():
     cfg.sampler.temperature = 0.0  # a program changed a made section: the check at start still sees it
     with pytest.raises(ValueError, match="sampler.temperature=0.0 must be > 0"):
         validate(cfg)
+
+
+def test_a_context_longer_than_the_models_positions_is_refused_naming_the_keys(tiny_model_dir):
+    from rl_tpu.models.resolve import check_context
+
+    check_context(tiny_model_dir, 64, 64, "sampler.response_length")  # the tiny preset's 128 positions, exactly
+    with pytest.raises(ValueError, match=r"data.max_prompt_length=96 plus 64 .*sampler.response_length.*over the 128"):
+        check_context(tiny_model_dir, 96, 64, "sampler.response_length")

@@ -1,0 +1,391 @@
+"""The memory plan logged at start: what each trainer rank, engine and the driver will hold at its peak, summed per
+device (each GPU; on CPU the host's RAM) against that device's memory. A run whose estimate does not fit is refused,
+naming its largest items and the keys that shrink them (`trainer.memory_check`: refuse, warn or off).
+
+An estimate made from the config, the model's config.json and its weight files' headers (nothing is loaded), of
+what the code holds: fp32 master weights, gradients and AdamW's two states per trainable weight, sharded over the
+ranks; a LoRA trainer's frozen base in the served dtype; the largest FSDP unit unsharded; activations; the engines'
+weights and KV cache. How close it came to the recorded peaks: docs/performance.md#the-memory-plan. It may import
+the config, the model files' helpers and the settings the actors start with (a controller module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rl_tpu.cluster import placement
+from rl_tpu.cluster.device import Device
+from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config.lora import LoraConfig
+from rl_tpu.controller.actors import GPU_MEMORY_COLOCATED, GPU_MEMORY_OWN_DEVICE
+from rl_tpu.models.hf import bundle_bytes
+from rl_tpu.models.logprobs import bucketed
+from rl_tpu.sampler.engine import CPU_KV_CACHE_GB
+from rl_tpu.sync.registry import transport_class
+from rl_tpu.trainer.worker import attention
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+# A process's memory besides its model's, on CPU: its peak resident memory on the 3.3M reference model less that
+# model's weights, AdamW state and KV cache (benchmarks/results/grpo_step.json: trainer 0.85 GiB, engine 1.75 with a
+# 1 GiB cache); the driver's is the largest recorded, a 0.5B GSM8K run's (lora_sync.json: 1.25 GiB)
+CPU_PROCESS = {"trainer": int(0.80 * GiB), "engine": int(0.75 * GiB), "driver": int(1.25 * GiB)}
+DEVICE_PROCESS = GiB // 2  # on an accelerator: a CUDA context and library workspaces (typical; not measured here)
+RAY_MEMORY_THRESHOLD = 0.95  # Ray's memory monitor stops actors past this share of the host's memory
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+# the completions' logits: kept for the chunked log-softmax, their gradient as it accumulates, one chunk's gradient
+LOGITS_COPIES = 3
+CHUNK_COPIES = 3  # one chunk's fp32 log-softmax, its exponential and its gradient
+DEVICE_WORD = {"cuda": "GPU", "tpu": "TPU chip"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a decoder: its parameter count (weight files' headers) and its config's sizes."""
+
+    parameters: int  # every weight, a tied head once
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict, parameters: int) -> ModelShape:
+        heads = config["num_attention_heads"]
+        return cls(
+            parameters,
+            config["hidden_size"],
+            config["num_hidden_layers"],
+            config["intermediate_size"],
+            heads,
+            config.get("num_key_value_heads") or heads,
+            config.get("head_dim") or config["hidden_size"] // heads,
+            config["vocab_size"],
+            bool(config.get("tie_word_embeddings")),  # as models.hf reads it
+        )
+
+    @classmethod
+    def of(cls, model_path: str | Path) -> ModelShape:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return cls.from_config(config, bundle_bytes(model_path, torch.float32) // 4)
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def largest_unit(self) -> int:
+        """FSDP's largest unit: the root (embedding, an untied head, the final norm) or a decoder block."""
+        root = self.embedding * (1 if self.tied else 2) + self.hidden
+        return max(root, (self.parameters - root) // self.layers)
+
+    @property
+    def largest_weight(self) -> int:
+        return max(self.embedding, self.hidden * self.intermediate)
+
+    def adapter_parameters(self, lora: LoraConfig) -> int:
+        """LoRA's A and B over the targeted projections of every block: rank x (inputs + outputs) each."""
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        sides = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+        sides |= {"gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+        targets = sides if lora.target_modules == "all-linear" else set(lora.target_modules)
+        kept = [name for name in sides if name in targets and name not in (lora.exclude_modules or ())]
+        return lora.lora_rank * self.layers * sum(sides[name] for name in kept)
+
+
+@dataclass(frozen=True)
+class Item:
+    what: str
+    bytes: int
+    keys: tuple[str, ...] = ()  # the settings that shrink it
+
+
+@dataclass(frozen=True)
+class Process:
+    name: str  # and the phase at its peak
+    items: tuple[Item, ...]
+    count: int = 1  # processes alike (trainer ranks 1..n-1, engines)
+    note: str = ""  # its other phases
+
+    @property
+    def bytes(self) -> int:
+        return sum(item.bytes for item in self.items)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One device's (or the host's) processes against its memory."""
+
+    name: str
+    processes: tuple[Process, ...]
+    capacity: int | None  # None: not known here, not checked
+    capacity_note: str = ""
+    advice: tuple[str, ...] = ()  # layout-wide changes: fewer actors on the host, placement
+
+    @property
+    def total(self) -> int:
+        return sum(p.bytes * p.count for p in self.processes)
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.total <= self.capacity
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budgets: tuple[Budget, ...]
+
+    def lines(self) -> list[str]:
+        out = ["memory plan (an estimate; its accuracy: docs/performance.md#the-memory-plan)"]
+        for budget in self.budgets:
+            of = f"of {gib(budget.capacity)}{budget.capacity_note}" if budget.capacity else "(its memory unknown here)"
+            out.append(f"  {budget.name}: {gib(budget.total)} {of}")
+            for p in budget.processes:
+                each = f"{p.count} x " if p.count > 1 else ""
+                out.append(f"    {p.name:<58}{each}{gib(p.bytes)}" + (f"  ({p.note})" if p.note else ""))
+                out += [f"      {item.what:<56}{gib(item.bytes)}" for item in p.items if item.bytes]
+        return out
+
+    def refusal(self) -> str | None:
+        """Why the run cannot fit, naming the largest items and their keys; None when every budget fits."""
+        over = [b for b in self.budgets if not b.fits]
+        if not over:
+            return None
+        budget = over[0]
+        items = sorted((i for p in budget.processes for i in p.items), key=lambda i: -i.bytes)[:3]
+        named = "; ".join(f"{i.what} {gib(i.bytes)}" + (f" ({', '.join(i.keys)})" if i.keys else "") for i in items)
+        also = f" Or: {', '.join(budget.advice)}." if budget.advice else ""
+        return (
+            f"the memory plan (an estimate) puts {gib(budget.total)} on {budget.name}, more than its "
+            f"{gib(budget.capacity)}{budget.capacity_note}. Largest items: {named}.{also} Change those settings, or set "
+            "trainer.memory_check=warn to start anyway (or off: no plan)"
+        )
+
+
+def activation_items(cfg: RunConfig, shape: ModelShape, kind: str) -> list[Item]:
+    """One micro-batch's saved activations (its longest rows), and its logits over the vocabulary.
+
+    A Llama/Qwen block keeps for its backward about 13 hidden-sized tensors per token (the norms' inputs and outputs,
+    q/k/v after RoPE and GQA's repeat, the attention output, the projections' inputs, the residual sums) and 4
+    MLP-sized ones (gate, up, the activation, their product), in the compute dtype; eager attention also keeps its
+    probabilities over the sequence (fp32 and the compute dtype). Checkpointed, each block keeps its input (the
+    residual stream: fp32 with model.fp32_residual) and one block is recomputed at a time."""
+    t, dtype = cfg.trainer, cfg.model.torch_dtype
+    size = dtype.itemsize
+    completion = bucketed(cfg.completion_tokens, t.seq_buckets)
+    seq = bucketed(cfg.data.max_prompt_length, t.seq_buckets) + completion
+    tokens = t.micro_batch_size * seq
+    block = size * (13 * shape.hidden + 4 * shape.intermediate)
+    if attention(t.attn_implementation, Device(kind), dtype) == "eager":
+        block += shape.heads * seq * (4 + size)
+    if t.activation_checkpointing:
+        residual = 4 if cfg.model.fp32_residual else size
+        saved = tokens * shape.layers * shape.hidden * residual + tokens * block
+    else:
+        saved = tokens * shape.layers * block
+    rows = t.micro_batch_size * shape.vocab
+    logits = rows * (completion * size * LOGITS_COPIES + min(t.logprob_chunk_size, completion) * 4 * CHUNK_COPIES)
+    keys = ("trainer.micro_batch_size", "data.max_prompt_length", "sampler.response_length")
+    if not t.activation_checkpointing:
+        keys += ("trainer.activation_checkpointing",)
+    checkpointed = ", checkpointed" if t.activation_checkpointing else ""
+    logits_keys = ("trainer.micro_batch_size", "sampler.response_length", "trainer.logprob_chunk_size")
+    return [
+        Item(f"activations: {t.micro_batch_size} x {seq} tokens{checkpointed}", saved, keys),
+        Item(f"logits: {t.micro_batch_size} x {completion} x {shape.vocab}", logits, logits_keys),
+    ]
+
+
+def trainer_phases(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> dict[str, list[Item]]:
+    """A trainer rank's items in each phase: between steps, training, publishing, and (rank 0) loading."""
+    lora, size = cfg.actor.lora, cfg.model.torch_dtype.itemsize
+    ranks, params = cfg.trainer.world_size, shape.parameters
+    adapter = shape.adapter_parameters(lora) if lora.enabled else 0
+    trainable = adapter or params
+    shards = ("trainer.world_size",) if kind != "cpu" else ()  # on CPU the ranks share the host's memory
+    fewer = ("actor.lora.lora_rank", *shards)
+    process = Item("process: torch, transformers, Ray", CPU_PROCESS["trainer"] if kind == "cpu" else DEVICE_PROCESS)
+    if lora.enabled:
+        weights = [Item(f"frozen base, {value_of(cfg.model.dtype)}", size * params // ranks, shards)]
+        weights.append(Item("LoRA adapter, fp32", 4 * adapter // ranks, ("actor.lora.lora_rank",)))
+    else:
+        weights = [Item("fp32 master weights", 4 * params // ranks, fewer)]
+    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora.enabled:
+        ref_keys = ("actor.use_kl_loss", "algorithm.use_kl_in_reward", "actor.lora.lora_rank")
+        weights.append(Item("reference model, fp32", 4 * params // ranks, ref_keys))
+    resident = [process, *weights, Item("AdamW's two fp32 states", 8 * trainable // ranks, fewer)]
+    resident += published_items(cfg, shape, kind, rank)
+    training = [*resident, Item("fp32 gradients", 4 * trainable // ranks, fewer)]
+    if ranks > 1 or size < 4:  # FSDP2 (one fp32 rank trains without it): a unit is gathered whole in turn
+        grads = 0 if lora.enabled else (size + 4 if size < 4 else 4)  # its gradient, reduced in fp32
+        training.append(Item("FSDP: the largest unit unsharded, its gradient", shape.largest_unit * (size + grads)))
+    training += activation_items(cfg, shape, kind)
+    bucket = min(int(cfg.sync.bucket_mb * 2**20), served_bytes(cfg, shape, kind))
+    gather = 0 if sends_adapter(cfg, kind) else 4 * shape.largest_weight
+    phases = {
+        "between steps": resident,
+        "training": training,
+        "publishing": [
+            *resident,
+            Item("a bucket, and a weight gathered in fp32", bucket + gather, ("sync.bucket_mb",)),
+        ],
+    }
+    if rank == 0:  # rank 0 reads the checkpoint into a whole fp32 model, then sends each rank its shard
+        phases["loading"] = [process, *weights, Item("the whole model in fp32, once", 4 * (params + adapter))]
+    return phases
+
+
+def sends_adapter(cfg: RunConfig, kind: str) -> bool:
+    """Whether each sync sends a LoRA policy's adapter alone (`cfg.lora_sync`, decided with the device resolved)."""
+    return dataclasses.replace(cfg, device=kind).lora_sync == "adapter"
+
+
+def served_bytes(cfg: RunConfig, shape: ModelShape, kind: str) -> int:
+    """A weight bundle in the served dtype: the full weights, or a LoRA policy's adapter alone."""
+    served = shape.adapter_parameters(cfg.actor.lora) if sends_adapter(cfg, kind) else shape.parameters
+    return cfg.model.torch_dtype.itemsize * served
+
+
+def published_items(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> list[Item]:
+    """The rank's share of the last bundle, kept until the engines install it: in the host's shared memory (on CPU
+    counted in the rank's resident memory, as the benchmarks measure it) or, for a device transport, on its device.
+    A transport that sends bucket by bucket (collective) keeps less."""
+    transport = transport_class(value_of(cfg.sync.transport))
+    senders = cfg.trainer.world_size if transport.any_rank_sends else 1
+    if rank >= senders or (kind != "cpu" and not transport.on_device):
+        return []
+    return [
+        Item("its share of the weights it published", served_bytes(cfg, shape, kind) // senders, ("sync.transport",))
+    ]
+
+
+def engine_phases(
+    cfg: RunConfig, shape: ModelShape, kind: str, layout: str, capacity: int | None
+) -> dict[str, list[Item]]:
+    """An engine's items generating, and asleep (a colocated CUDA engine while the trainer trains)."""
+    s, dtype = cfg.sampler, cfg.model.torch_dtype
+    process = Item("process: vLLM", CPU_PROCESS["engine"] if kind == "cpu" else DEVICE_PROCESS)
+    weights = dtype.itemsize * shape.parameters
+    what = f"weights, {value_of(cfg.model.dtype)}"
+    if kind == "cpu" and shape.tied:  # vLLM's CPU backend packs a tied head into storage of its own
+        weights, what = weights + dtype.itemsize * shape.embedding, f"{what}, and the tied head's own copy"
+    items = [process, Item(what, weights, ("model.dtype",))]
+    if s.kv_cache_gb is not None or kind == "cpu":
+        items.append(Item("KV cache", int((s.kv_cache_gb or CPU_KV_CACHE_GB) * GiB), ("sampler.kv_cache_gb",)))
+    elif capacity is not None:  # vLLM takes its share of the device and keeps for its cache what its weights leave
+        share = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
+        rest = max(0, int(share * capacity) - process.bytes - weights)
+        keys = ("sampler.gpu_memory_utilization", "sampler.kv_cache_gb")
+        items.append(Item(f"KV cache and buffers: the rest of {share:g} of the device", rest, keys))
+    return {"generating": items, "asleep": [process]}
+
+
+def at_peak(name: str, phases: dict[str, list[Item]], count: int = 1, among: tuple[str, ...] = ()) -> Process:
+    """The process at its largest phase (of `among`, default all but the idle ones), its other phases noted."""
+    among = among or tuple(p for p in phases if p not in ("between steps", "asleep"))
+    total = {phase: sum(i.bytes for i in phases[phase]) for phase in among}
+    peak = max(among, key=total.get)
+    note = ", ".join(f"{phase} {gib(total[phase])}" for phase in among if phase != peak)
+    return Process(f"{name}, {peak}", tuple(phases[peak]), count, note)
+
+
+def build(
+    cfg: RunConfig, shape: ModelShape, kind: str, capacity: int | None, layout: str = "disaggregated"
+) -> MemoryPlan:
+    """The plan for `kind` (cpu, cuda, tpu) and a `layout` of accelerators (on CPU every actor is on the host)."""
+    ranks, engines = cfg.trainer.world_size, cfg.sampler.num_engines
+    rank0 = trainer_phases(cfg, shape, kind, 0)
+    engine = engine_phases(cfg, shape, kind, layout, capacity)
+    if kind == "cpu":
+        processes = [Process("driver", (Item("process: the loop, tokenizer, data", CPU_PROCESS["driver"]),))]
+        processes.append(at_peak("trainer rank 0", rank0))
+        if ranks > 1:
+            others = "trainer rank 1" if ranks == 2 else f"trainer ranks 1-{ranks - 1}"
+            processes.append(at_peak(others, trainer_phases(cfg, shape, kind, 1), ranks - 1))
+        processes.append(at_peak("engine", engine, engines))
+        advice = tuple(key for key, n in (("trainer.world_size", ranks), ("sampler.num_engines", engines)) if n > 1)
+        share = f" ({RAY_MEMORY_THRESHOLD:.0%} of its memory: past that Ray's memory monitor stops actors)"
+        return MemoryPlan((Budget("this host", tuple(processes), capacity, share, advice),))
+    device = DEVICE_WORD.get(kind, kind)
+    if layout == "disaggregated":
+        return MemoryPlan(
+            (
+                Budget(f"the {device} of trainer rank 0", (at_peak("trainer rank 0", rank0),), capacity),
+                Budget(f"each engine's {device}", (at_peak("engine", engine),), capacity),
+            )
+        )
+    # colocated (CUDA only: a TPU engine cannot sleep): the engine sleeps while the trainer trains, and wakes beside
+    # the trainer's state between steps
+    asleep = [at_peak("trainer rank 0", rank0), at_peak("engine 0", engine, among=("asleep",))]
+    awake = [at_peak("trainer rank 0", rank0, among=("between steps",)), at_peak("engine 0", engine)]
+    together = max(asleep, awake, key=lambda ps: sum(p.bytes for p in ps))
+    name = f"the {device} of trainer rank 0 and engine 0"
+    return MemoryPlan((Budget(name, tuple(together), capacity, advice=("placement=disaggregated",)),))
+
+
+def host_memory() -> int:
+    """This host's RAM, or its container's memory limit where that is lower (cgroup v2 or v1)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in map(Path, CGROUP_LIMITS):
+        limit = path.read_text().strip() if path.is_file() else ""
+        total = min(total, int(limit)) if limit.isdigit() else total
+    return total
+
+
+def local_layout(cfg: RunConfig, kind: str) -> tuple[str, int | None]:
+    """Before Ray starts, on a local cluster (this host): the layout the placement will choose, and each device's
+    memory (CPU: the host's share Ray's memory monitor allows; CUDA: device 0's; else unknown)."""
+    if kind == "cpu":
+        return "disaggregated", int(RAY_MEMORY_THRESHOLD * host_memory())
+    devices = {placement.ACCELERATOR_RESOURCE[kind]: float(torch.accelerator.device_count())}
+    layout = placement.make_plan(cfg, kind, devices).layout
+    return layout, Device(kind).total_memory()  # device 0's: the driver allocates nothing on it
+
+
+def enforce(plan: MemoryPlan, mode: str) -> None:
+    """Log the plan; past a device's memory refuse (`refuse`, a ValueError naming the keys) or warn (`warn`)."""
+    log.info("%s", "\n".join(plan.lines()))
+    why = plan.refusal()
+    if why and mode == "refuse":
+        raise ValueError(why)
+    if why:
+        log.warning("%s", why)
+
+
+def check(cfg: RunConfig, model_path: Path) -> None:
+    """The plan for this run, logged and enforced before Ray starts (`trainer.memory_check`); a remote cluster's
+    devices are not known here, so its plan is not made."""
+    if cfg.trainer.memory_check == "off":
+        return
+    if cfg.ray.address is not None:
+        log.info(
+            "memory plan: not made for ray.address=%s (its nodes are not known before Ray starts)", cfg.ray.address
+        )
+        return
+    try:
+        shape = ModelShape.of(model_path)
+    except KeyError as missing:  # not a plain decoder's config (its sizes under text_config, say)
+        log.info("memory plan: not made: %s has no %s", model_path / "config.json", missing)
+        return
+    if not shape.parameters:  # weights in .bin files only: their sizes are not read without loading them
+        log.info("memory plan: not made: %s has no safetensors weights", model_path)
+        return
+    kind = Device.resolve(cfg.device).kind
+    layout, capacity = local_layout(cfg, kind)
+    enforce(build(cfg, shape, kind, capacity, layout), cfg.trainer.memory_check)

@@ -1,0 +1,234 @@
+"""`sync.transport=nccl`: trainer rank 0 broadcasts each bundle's device buckets to every engine over NCCL, through
+vLLM 0.32's weight-transfer API, for engines on GPUs of their own (disaggregated). WRITTEN TO VLLM'S API, NOT YET RUN
+ON A GPU: its logic runs on the CPU with a gloo group in NCCL's place (`tests/unit/test_nccl_transport.py`).
+
+Sender. Rank 0 sends: the trainer gathers every full bucket there, and vLLM's dense NCCL backend has one sender, its
+rank 0. A bucket is one flat byte tensor on rank 0's GPU with its device checksum (`bundle.device_checksum`, as for
+`cuda_ipc`). `flush` hands the bundle to a sender thread that drives vLLM's trainer engine
+(`vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerWeightTransferEngine`): `trainer_init` at the first bundle,
+then `send_weights` per bundle, its `WeightSource` one uint8 tensor per bucket, unpacked (a bucket is packed already,
+so it goes out as it lies). Publishing does not wait for the engines; the next bundle's first bucket waits for the
+previous bundle's delivery, so that rank 0 keeps one bundle on its GPU.
+
+Group. vLLM's TCP rendezvous (`NCCLTrainerInitInfo`): rank 0's node address, a free port, and a world size of one
+plus the engines' ranks, one rank per engine here (the engines run without tensor parallelism). A bucket's handle is
+the init info vLLM's `trainer_init` gives the workers (`NCCLWeightTransferInitInfo`, rank_offset 1); engine i joins
+at its first bundle with rank_offset 1 + i, through `LLM.init_weight_transfer_engine`, into the
+`NCCLWeightTransferEngine` its worker made from `weight_transfer_config` (the sampler sets it; `attach_engine`).
+
+Receiver. The contract of every transport: the bundle (version, specs, device checksums) reaches each engine
+through Ray, and the engine reads every bucket (refused or not: the stream stays aligned), checks every checksum on
+its GPU, then the version and the names, and only then loads. vLLM's `LLM.start_weight_update`, `update_weights` and
+`finish_weight_update` would load each bucket into the model as it arrives, before any check; so a bucket goes
+through the worker's engine's own `update_weights` with the engine's target set to a holder that keeps the bytes
+(`set_weight_update_target`). Loading them, and the prefix cache reset after, are the engine's as for every
+transport. vLLM's trainer engine drives the engines through a client; here Ray does, so the client does nothing.
+
+A dead peer. An NCCL broadcast has no deadline. Rank 0 waits `timeout` for a bundle to reach the engines, then
+aborts the group (ncclCommAbort; a rendezvous still waiting ends at vLLM's store timeout) and raises, naming the
+engines it waited for; an engine's wait is bounded by the controller's deadline on the call, which names the
+engine. The group cannot take a restarted engine back: a lost engine ends the run, as with `collective`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as DeadlinePassed
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import cached_property
+from typing import Any, Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, WeightTransferInitRequest
+from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+from vllm.utils.network_utils import get_open_port
+
+from rl_tpu.records import Bucket, WeightSyncError
+from rl_tpu.sync.base import Transport
+
+
+def bucket_name(index: int) -> str:
+    """What a bucket is called on the wire (vLLM names what it sends; only the order matters to the receiver)."""
+    return f"bucket {index}"
+
+
+class BundleSource(WeightSource):
+    """One bundle's buckets as vLLM's trainer engine sends them: a flat uint8 tensor each, in bucket order."""
+
+    def __init__(self, version: int, flats: list[torch.Tensor]):
+        self.version, self.flats = version, flats
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(bucket_name(i), torch.uint8, (flat.numel(),)) for i, flat in enumerate(self.flats)]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((bucket_name(i), flat) for i, flat in enumerate(self.flats))
+
+
+class EnginesDriveTheirSide:
+    """vLLM's client of the engines' weight-sync calls, doing nothing: each engine joins the group and receives its
+    buckets when Ray brings it the bundle (the sampler's install call)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        pass
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+
+def require_wire(communicator: Any, where: str) -> None:
+    """vLLM's NCCL communicator makes itself a no-op without an NCCL library: fail rather than move nothing."""
+    if communicator is None or communicator.disabled:
+        raise WeightSyncError(
+            f"sync.transport=nccl: vLLM's NCCL communicator is disabled on {where} (no NCCL library found, or "
+            "VLLM_DISABLE_PYNCCL set); use sync.transport=object_store or collective"
+        )
+
+
+class NcclTransport(Transport):
+    """Sender side (trainer rank 0); `get_flat` and `attach_engine` are the receiver's side, in the sampler."""
+
+    name = "nccl"
+    on_device = True
+    timeout = timedelta(minutes=5)  # for a bundle to reach every engine, counted from its flush
+    _engines: dict[int, "_Engine"] = {}  # receiver index -> its vLLM engine, in the sampler's process
+
+    def __init__(self, host: str = "127.0.0.1", receivers: int = 1):
+        # `host`: the sender's node address, where the engines meet it
+        self.host, self.receivers = host, receivers
+        self.engine: NCCLTrainerWeightTransferEngine | None = None  # vLLM's, once the group is formed
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="nccl-weight-send")
+        self.version, self.flats = 0, []  # the bundle being put
+        self.sending: tuple[int, float, Future] | None = None  # the bundle in flight: version, deadline, its send
+
+    @cached_property
+    def init_info(self) -> NCCLTrainerInitInfo:
+        """The group's rendezvous, chosen at the first bucket: this node's address and a free port."""
+        return NCCLTrainerInitInfo(
+            master_address=self.host, master_port=get_open_port(), world_size=1 + self.receivers, packed=False, rank=0
+        )
+
+    @cached_property
+    def handle(self) -> dict[str, Any]:
+        """What vLLM's `trainer_init` gives the workers (rank_offset 1: after the trainer's rank 0); engines join
+        with it."""
+        i = self.init_info
+        workers = NCCLWeightTransferInitInfo(
+            master_address=i.master_address,
+            master_port=i.master_port,
+            rank_offset=1,
+            world_size=i.world_size,
+            packed=i.packed,
+        )
+        return worker_init_payload(workers)
+
+    def put_flat(self, version: int, index: int, flat: torch.Tensor) -> dict[str, Any]:
+        if index == 0:
+            self._wait_delivered()
+            self.version = version
+        self.flats.append(flat)
+        return self.handle
+
+    def flush(self) -> None:
+        source, self.flats = BundleSource(self.version, self.flats), []
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        self.sending = (source.version, deadline, self.sender.submit(self._send, source))
+
+    def _send(self, source: BundleSource) -> None:
+        """On the sender thread: the group formed at the first bundle (it waits for every engine), then the bundle."""
+        device = source.flats[0].device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a new thread starts on GPU 0; vLLM opens its endpoint on the current GPU
+        if self.engine is None:
+            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
+                self.init_info, client=EnginesDriveTheirSide(), source=source
+            )
+            require_wire(self.engine.model_update_group, "trainer rank 0")
+        self.engine.source = source
+        self.engine.send_weights()
+
+    def _wait_delivered(self) -> None:
+        """Wait for the bundle in flight to reach every engine; past its deadline abort the group and name them."""
+        if self.sending is None:
+            return
+        (version, deadline, send), self.sending = self.sending, None
+        try:
+            send.result(timeout=max(0.0, deadline - time.monotonic()))
+        except DeadlinePassed:
+            if self.engine is not None:
+                self.engine.shutdown()  # ncclCommAbort: the broadcast still waiting returns
+            raise WeightSyncError(
+                f"sync.transport=nccl: weights v{version} did not reach engines {list(range(self.receivers))} "
+                f"(group ranks 1-{self.receivers} at {self.host}:{self.init_info.master_port}) within "
+                f"{self.timeout}: an engine died or did not take the bundle; the group is aborted"
+            ) from None
+        except Exception as err:
+            raise WeightSyncError(f"sync.transport=nccl: sending weights v{version} failed: {err}") from err
+
+    def close(self) -> None:
+        self.sender.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    @classmethod
+    def get_flat(cls, bucket: Bucket, receiver: int = 0) -> torch.Tensor:
+        engine = cls._engines.get(receiver)
+        if engine is None:
+            raise WeightSyncError(
+                f"sync.transport=nccl: engine {receiver} has no vLLM weight-transfer engine in this process "
+                "(the sampler attaches one when it starts with sync.transport=nccl)"
+            )
+        if not engine.joined:
+            # workers follow the trainer's rank 0 and the engines before this one (one rank each)
+            init_info = {**bucket.handle, "rank_offset": bucket.handle["rank_offset"] + receiver}
+            engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+            engine.joined = True
+        size = sum(spec.num_bytes for spec in bucket.specs)
+        update = {"names": [bucket_name(bucket.index)], "dtype_names": ["uint8"], "shapes": [[size]]}
+        return engine.llm.collective_rpc(receive_bucket, args=(update,))[0]
+
+
+@dataclass
+class _Engine:
+    llm: Any  # vLLM's LLM
+    joined: bool = False  # whether it joined the trainer's group
+
+
+def attach_engine(receiver: int, llm: Any) -> None:
+    """Sampler side, at start: the engine whose worker receives this process's buckets (vLLM's LLM, made with
+    `WEIGHT_TRANSFER_CONFIG`); it joins the trainer's group at its first bundle."""
+    NcclTransport._engines[receiver] = _Engine(llm)
+
+
+WEIGHT_TRANSFER_CONFIG = {"backend": "nccl"}  # vLLM's `weight_transfer_config` of an engine that receives over NCCL
+
+
+class _Holder:
+    """The target of vLLM's receive path in place of the model: keeps the bucket's bytes instead of loading them."""
+
+    flat: torch.Tensor | None = None
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        ((_, self.flat),) = weights
+
+
+def receive_bucket(worker: Any, update_info: dict[str, Any]) -> torch.Tensor:
+    """Run inside the vLLM worker: one bucket through its NCCL weight-transfer engine, kept aside, not loaded."""
+    engine = worker.weight_transfer_engine
+    require_wire(engine.model_update_group, "this engine")
+    holder = _Holder()
+    engine.set_weight_update_target(holder, engine.model_config)
+    try:
+        engine.update_weights(update_info)  # vLLM's receive: a buffer of the bucket's size, broadcast from rank 0
+    finally:
+        engine.reset_weight_update_target()
+    return holder.flat

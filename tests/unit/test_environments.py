@@ -1,0 +1,128 @@
+"""Environment libraries: reasoning-gym tasks as a data source scored by their own scorer, and an OpenEnv
+`Environment` as a verl tool (OpenEnvTool) run by the tool workers. reasoning-gym, openenv-core and verl are the
+real packages; nothing is faked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rewards.reasoning_gym import compute_score
+from rl_tpu.config.reasoning_gym import ReasoningGymConfig
+from rl_tpu.data.datasets import read_rows
+from rl_tpu.data.reasoning_gym import ensure_reasoning_gym_dataset
+from rl_tpu.episodes.tool_worker import ToolCall
+from rl_tpu.episodes.tools import ToolBox, ToolSettings
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCTS = ReasoningGymConfig(task="products", config={"max_digits": 2}, size=40, system_prompt=None)
+
+
+@pytest.fixture(scope="module")
+def products(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    train, test = ensure_reasoning_gym_dataset(tmp_path_factory.mktemp("rg"), PRODUCTS, num_eval=30, seed=3)
+    return read_rows(train), read_rows(test)
+
+
+def test_a_task_becomes_verl_rows_with_a_held_out_split_of_other_questions(products, tmp_path):
+    train, test = products
+    assert len(train) == 40 and 0 < len(test) <= 30
+    row = train[0]
+    assert row["data_source"] == "reasoning_gym/products" and row["prompt"][-1]["role"] == "user"
+    assert (
+        "multiplication" in row["prompt"][-1]["content"] and row["reward_model"]["ground_truth"].lstrip("-").isdigit()
+    )
+    assert not {r["prompt"][-1]["content"] for r in train} & {r["prompt"][-1]["content"] for r in test}
+    again, _ = ensure_reasoning_gym_dataset(tmp_path, PRODUCTS, num_eval=30, seed=3)  # the same setting: the same rows
+    assert read_rows(again) == train
+    with_prompt = ReasoningGymConfig(task="products", config={"max_digits": 2}, size=4)
+    first = read_rows(ensure_reasoning_gym_dataset(tmp_path, with_prompt, num_eval=4, seed=3)[0])[0]
+    assert first["prompt"][0]["role"] == "system" and "<answer>" in first["prompt"][0]["content"]
+
+
+def test_the_tasks_own_scorer_scores_the_answer_between_answer_tags(products):
+    row = products[0][5]
+    truth, info = row["reward_model"]["ground_truth"], row["extra_info"]
+    assert compute_score(row["data_source"], f"thinking... <answer>{truth}</answer>", truth, info) == 1.0
+    assert compute_score(row["data_source"], f"<answer>{int(truth) + 1}</answer>", truth, info) == 0.0
+    assert compute_score(row["data_source"], truth, truth, info) == 0.0  # no tags: no answer
+    with pytest.raises(ValueError, match="regenerates with answer"):  # a row that is not the entry it names
+        compute_score(row["data_source"], truth, "-1", info)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (ReasoningGymConfig(task="no_such_task"), "allowed values are .*basic_arithmetic.*products"),
+        (
+            ReasoningGymConfig(task="products", config={"digits": 2}),
+            "digits not a field of products's config; allowed keys are .*max_digits",
+        ),
+        (ReasoningGymConfig(task="products", config={"min_digits": 0}), "data.reasoning_gym .task products"),
+        (
+            ReasoningGymConfig(task="products", system_prompt="nope"),
+            "system_prompt='nope': allowed values are .*default",
+        ),
+    ],
+)
+def test_bad_settings_name_the_key_and_the_allowed_values(config, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        ensure_reasoning_gym_dataset(tmp_path, config, num_eval=4, seed=0)
+
+
+def test_the_task_size_and_seed_are_not_taken_from_the_tasks_config():
+    with pytest.raises(ValueError, match="data.reasoning_gym.size"):
+        ReasoningGymConfig(task="products", config={"size": 5})
+
+
+@pytest.fixture(scope="module")
+def openenv_toolbox(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("openenv")
+    yaml = folder / "tools.yaml"
+    entry = {
+        "class_name": "rl_tpu.episodes.openenv_tool.OpenEnvTool",
+        "config": {"type": "native", "environment": "calculator_env.CalculatorEnvironment", "name": "calc"},
+    }
+    yaml.write_text(json.dumps({"tools": [entry]}))  # JSON is YAML
+    (folder / "calculator_env.py").write_text((REPO / "examples/tools/calculator_env.py").read_text())
+    (folder / "calculator.py").write_text((REPO / "examples/tools/calculator.py").read_text())
+    box = ToolBox(ToolSettings(str(yaml), None, 1, 10.0, 2048, 64))
+    yield box
+    box.close()
+
+
+def test_an_openenv_environment_is_a_tool_whose_parameters_are_its_action_fields(openenv_toolbox):
+    schema = openenv_toolbox.schemas["calc"]["function"]
+    assert schema["parameters"]["required"] == ["expression"]
+    assert set(schema["parameters"]["properties"]) == {"expression"}  # OpenEnv's `metadata` is not the model's
+    assert schema["description"] == "Evaluate an arithmetic expression."
+    results, _ = openenv_toolbox.run(
+        [
+            ToolCall("calc", json.dumps({"expression": "37*48"}), {}),
+            ToolCall("calc", json.dumps({"expr": "1+1"}), {}),  # not a field of the action: refused, counted
+            ToolCall("calc", json.dumps({"expression": "2**3"}), {}),  # the environment's own error text
+        ]
+    )
+    assert (results[0].text, results[0].failure) == ("1776", None)
+    assert results[1].failure == "exception" and "expression" in results[1].text
+    assert results[2].failure is None and results[2].text.startswith("error: unsupported operator")
+
+
+def test_the_reasoning_gym_recipe_takes_any_task_with_one_override():
+    from test_config import compose_recipe
+
+    from rl_tpu.controller.checks import validate
+
+    cfg = compose_recipe(
+        "grpo_reasoning_gym",
+        "model.path=/models/m",
+        "data.reasoning_gym.task=products",
+        "+data.reasoning_gym.config={max_digits: 3}",
+    )
+    validate(cfg)
+    assert (cfg.data.reasoning_gym.task, cfg.data.reasoning_gym.config) == ("products", {"max_digits": 3})
+    assert cfg.reward.name == "reasoning_gym" and cfg.data.train_files is None
+    with pytest.raises(Exception, match="both set"):
+        compose_recipe("grpo_reasoning_gym", "model.path=/models/m", "data.train_files=t.parquet")
