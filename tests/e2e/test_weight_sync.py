@@ -221,8 +221,9 @@ def test_parts_from_several_senders_merge_in_bucket_order(ray_cluster):
 
 
 def test_unknown_transport_names_allowed_values():
-    with pytest.raises(ValueError, match="allowed values are object_store, shm_file, collective, cuda_ipc, tpu_sync"):
-        make_transport("nccl")
+    allowed = "allowed values are object_store, shm_file, collective, cuda_ipc, tpu_sync, nccl"
+    with pytest.raises(ValueError, match=allowed):
+        make_transport("rdma")
 
 
 def bundle_named(names: list[str]) -> WeightBundle:
