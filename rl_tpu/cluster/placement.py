@@ -91,7 +91,7 @@ def make_plan(cfg: RunConfig, kind: str, cluster: dict[str, float], accelerator:
     Passing `accelerator="GPU"` with `kind="cpu"` plans with GPU accounting on CPU nodes (tests do).
     """
     accelerator = accelerator or ACCELERATOR_RESOURCE.get(kind)
-    ranks, engines = cfg.trainer.world_size, cfg.sampler.num_engines
+    ranks, engines, engine_devices = cfg.trainer.world_size, cfg.sampler.num_engines, cfg.sampler.tensor_parallel_size
     trainer_cpus, engine_cpus = float(cfg.trainer.threads_per_rank), float(cfg.sampler.num_cpus)
     layout, why = value_of(cfg.placement), "asked for"
     labels = {"trainer_labels": dict(cfg.trainer.node_labels), "sampler_labels": dict(cfg.sampler.node_labels)}
@@ -102,13 +102,13 @@ def make_plan(cfg: RunConfig, kind: str, cluster: dict[str, float], accelerator:
             cluster,
             ranks,
             engines,
-            trainer_cpus + engine_cpus,
+            engine_devices,
             ranks * trainer_cpus + engines * engine_cpus,
         )
     if layout == "disaggregated":
         trainer, engine = {"CPU": trainer_cpus}, {"CPU": engine_cpus}
-        if accelerator:
-            trainer[accelerator] = engine[accelerator] = 1.0
+        if accelerator:  # an engine holds its tensor-parallel devices in one bundle, so on one node
+            trainer[accelerator], engine[accelerator] = 1.0, float(engine_devices)
         return Plan(layout, why, (trainer,) * ranks, (engine,) * engines, trainer, engine, engines, **labels)
     check_colocated(cfg, kind)
     if accelerator:
@@ -145,6 +145,11 @@ def check_request(cfg: RunConfig) -> None:
 def check_colocated(cfg: RunConfig, kind: str) -> None:
     """What colocation cannot do, for the device kind (`auto`: only what holds on every device)."""
     engines, ranks = cfg.sampler.num_engines, cfg.trainer.world_size
+    if cfg.sampler.tensor_parallel_size > 1:
+        raise PlacementError(
+            f"placement=colocated puts an engine in one trainer rank's bundle, which cannot hold "
+            f"sampler.tensor_parallel_size={cfg.sampler.tensor_parallel_size} devices: use placement=disaggregated"
+        )
     if kind == "tpu":
         raise PlacementError(
             "placement=colocated is not possible on TPU: the TPU engine has no sleep mode, so "
@@ -169,14 +174,14 @@ def _choose_layout(
     cluster: dict[str, float],
     ranks: int,
     engines: int,
-    cpus_side_by_side: float,
+    devices_per_engine: int,
     cpus_apart: float,
 ) -> tuple[str, str]:
     if kind == "tpu":
         return "disaggregated", "TPU engines cannot sleep, so they never share chips with the trainer"
     have_what = accelerator or "CPU"
     have = cluster.get(have_what, 0)
-    need = ranks + engines if accelerator else cpus_apart
+    need = ranks + engines * devices_per_engine if accelerator else cpus_apart
     if have >= need:
         return "disaggregated", (
             f"the cluster's {have:g} {have_what} hold {ranks} trainer rank(s) and {engines} "

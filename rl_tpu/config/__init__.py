@@ -107,6 +107,8 @@ class SamplerConfig:
     num_cpus: float = 1.0  # CPUs reserved for each engine
     threads: Optional[int] = None  # each engine's torch / OpenMP threads; None: num_cpus, rounded (at least 1)
     num_engines: int = 1  # vLLM engines (Ray actors); each receives every weight version and a share of each batch
+    # each engine's devices, vLLM's tensor parallelism (verl: tensor_model_parallel_size); on CPU, its threads split
+    tensor_parallel_size: int = 1
     # place engines only on Ray nodes with these labels (`ray start --labels=role=sampler`); {}: anywhere
     node_labels: dict[str, str] = field(default_factory=dict)
     # a lost engine is restarted by Ray this many times, given the served weights, and its prompts are generated
@@ -116,8 +118,11 @@ class SamplerConfig:
     def __post_init__(self) -> None:
         if self.temperature <= 0:
             raise ValueError(f"sampler.temperature={self.temperature} must be > 0 for training rollouts")
-        if self.max_restarts < 0:
-            raise ValueError(f"sampler.max_restarts={self.max_restarts} must be >= 0 (0: no restarts)")
+        if self.max_restarts < 0 or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"sampler.max_restarts={self.max_restarts} must be >= 0 (0: no restarts) and "
+                f"sampler.tensor_parallel_size={self.tensor_parallel_size} >= 1"
+            )
 
 
 @dataclass

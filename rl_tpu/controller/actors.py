@@ -261,6 +261,7 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
             episode_options(cfg, max_len),
             adapter_serving(cfg),
             value_of(cfg.sync.transport),
+            cfg.sampler.tensor_parallel_size,
         )
         ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
         workers.samplers.engines.append(

@@ -7,6 +7,7 @@ from pathlib import Path
 from rl_tpu.algorithms import core as algorithms
 from rl_tpu.algorithms import kl_reward
 from rl_tpu.cluster import placement
+from rl_tpu.cluster.cores import engine_threads
 from rl_tpu.cluster.device import Device
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.controller import batch_shaping
@@ -49,6 +50,8 @@ def validate(cfg: RunConfig) -> None:
         )
     if value_of(cfg.sync.transport) == "nccl":
         check_nccl(cfg)
+    if cfg.sampler.tensor_parallel_size > 1:
+        check_tensor_parallel(cfg)
     placement.check_request(cfg)
     if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray
@@ -70,13 +73,34 @@ def check_nccl(cfg: RunConfig) -> None:
     )
 
 
+def check_tensor_parallel(cfg: RunConfig) -> None:
+    """An engine over several devices (`sampler.tensor_parallel_size`) receives full weights through the host: the
+    device transports address one receiving process per engine, and adapters and the TPU engine were not tried."""
+    size, transport, device = cfg.sampler.tensor_parallel_size, value_of(cfg.sync.transport), value_of(cfg.device)
+    key = f"sampler.tensor_parallel_size={size}"
+    if transport not in CPU_TRANSPORTS:
+        raise ValueError(f"{key} needs a host transport: sync.transport allowed values are {', '.join(CPU_TRANSPORTS)}")
+    if device == "tpu" or cfg.lora_sync == "adapter":
+        raise ValueError(
+            f"{key} is not supported with device=tpu or a LoRA adapter served as one (not tried): set it to 1, or "
+            "actor.lora.sync=merged"
+        )
+    threads = engine_threads(cfg)
+    on_cpu = device == "cpu" or (device == "auto" and cfg.ray.address is None and Device.resolve(device).kind == "cpu")
+    if on_cpu and threads < size:
+        raise ValueError(
+            f"{key} on CPU splits an engine's {threads} thread(s) over {size} workers: set sampler.threads (or "
+            f"sampler.num_cpus) to at least {size}"
+        )
+
+
 # Settings a resumed run may change, each change logged: where and how fast it runs, how long, what it records.
 # Any other change alters what the run learns or its shapes, and is refused unless trainer.resume_allow_changes
 # lists it (prefixes: a key and every key under it).
 RESUME_MAY_CHANGE = (
     *("placement", "pin_cores", "cache_dir", "ray.", "export.", "sync.", "data.val_files", "data.val_max_samples"),
     *(f"sampler.{key}" for key in ("kv_cache_gb", "gpu_memory_utilization", "enforce_eager", "num_cpus", "threads")),
-    *(f"sampler.{key}" for key in ("num_engines", "node_labels", "max_restarts")),
+    *(f"sampler.{key}" for key in ("num_engines", "node_labels", "max_restarts", "tensor_parallel_size")),
     *(f"trainer.{key}" for key in ("world_size", "micro_batch_size", "activation_checkpointing", "logprob_chunk_size")),
     *(f"trainer.{key}" for key in ("seq_buckets", "compile", "threads_per_rank", "borrow_idle_cores", "node_labels")),
     *(f"trainer.{key}" for key in ("attn_implementation", "sort_by_length", "share_prompts", "return_freed_memory")),

@@ -278,14 +278,18 @@ def published_items(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> 
 def engine_phases(
     cfg: RunConfig, shape: ModelShape, kind: str, layout: str, capacity: int | None
 ) -> dict[str, list[Item]]:
-    """An engine's items generating, and asleep (a colocated CUDA engine while the trainer trains)."""
+    """An engine's items generating, and asleep (a colocated CUDA engine while the trainer trains); with tensor
+    parallelism, one of its worker processes' (each device holds a shard of the weights and a cache of its own)."""
     s, dtype = cfg.sampler, cfg.model.torch_dtype
     process = Item("process: vLLM", CPU_PROCESS["engine"] if kind == "cpu" else DEVICE_PROCESS)
     weights = dtype.itemsize * shape.parameters
     what = f"weights, {value_of(cfg.model.dtype)}"
     if kind == "cpu" and shape.tied:  # vLLM's CPU backend packs a tied head into storage of its own
         weights, what = weights + dtype.itemsize * shape.embedding, f"{what}, and the tied head's own copy"
-    items = [process, Item(what, weights, ("model.dtype",))]
+    if s.tensor_parallel_size > 1:
+        weights, what = weights // s.tensor_parallel_size, f"{what}, a 1/{s.tensor_parallel_size} shard"
+    spread = ("sampler.tensor_parallel_size",) if kind != "cpu" else ()  # on CPU the shards share the host
+    items = [process, Item(what, weights, ("model.dtype", *spread))]
     if s.kv_cache_gb is not None or kind == "cpu":
         items.append(Item("KV cache", int((s.kv_cache_gb or CPU_KV_CACHE_GB) * GiB), ("sampler.kv_cache_gb",)))
     elif capacity is not None:  # vLLM takes its share of the device and keeps for its cache what its weights leave
@@ -318,7 +322,8 @@ def build(
         if ranks > 1:
             others = "trainer rank 1" if ranks == 2 else f"trainer ranks 1-{ranks - 1}"
             processes.append(at_peak(others, trainer_phases(cfg, shape, kind, 1), ranks - 1))
-        processes.append(at_peak("engine", engine, engines))
+        workers = cfg.sampler.tensor_parallel_size
+        processes.append(at_peak("engine worker" if workers > 1 else "engine", engine, engines * workers))
         advice = tuple(key for key, n in (("trainer.world_size", ranks), ("sampler.num_engines", engines)) if n > 1)
         share = f" ({RAY_MEMORY_THRESHOLD:.0%} of its memory: past that Ray's memory monitor stops actors)"
         return MemoryPlan((Budget("this host", tuple(processes), capacity, share, advice),))

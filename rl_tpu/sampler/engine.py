@@ -74,6 +74,7 @@ class EngineOptions:
     episodes: EpisodeOptions | None = None  # multi-turn episodes with tools; None: one completion per sample
     adapters: AdapterServing | None = None  # a LoRA policy served as base plus adapter; None: full weights
     transport: str = "object_store"  # sync.transport; nccl: its worker receives over vLLM's NCCL weight transfer
+    tensor_parallel_size: int = 1  # its devices (on CPU: its threads split over that many worker processes)
 
 
 def sampling_params(
@@ -168,9 +169,29 @@ def memory_args(kv_cache_gb: float | None, gpu_memory_utilization: float | None,
     return {} if gpu_memory_utilization is None or on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
 
 
-def engine_args(options: EngineOptions, kv_cache_gb: float | None, on_cpu: bool) -> dict[str, Any]:
-    """vLLM's settings that follow from the engine's options: memory, adapters, prefill, weight transfer."""
+def tensor_parallel_args(options: EngineOptions, on_cpu: bool, allowed: list[int]) -> dict[str, Any]:
+    """vLLM's tensor parallelism over `options.tensor_parallel_size` worker processes (vLLM's own `mp` executor,
+    inside this actor). On CPU each worker takes its share of the engine's threads: its own cores when the engine is
+    pinned (vLLM's `VLLM_CPU_OMP_THREADS_BIND`, core lists split by `|`; its `auto` needs a NUMA node per worker),
+    else an unbound pool of that size. The variables are set here, before the workers are spawned with them."""
+    size = options.tensor_parallel_size
+    if size == 1:
+        return {}
+    if on_cpu:
+        threads = max(1, options.binding.threads // size)
+        if options.binding.cores:
+            cpus = sorted(options.binding.cpus(allowed))
+            lists = [cpus[i * threads : (i + 1) * threads] for i in range(size)]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cores)) for cores in lists)
+        else:
+            os.environ.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)})
+    return {"tensor_parallel_size": size, "distributed_executor_backend": "mp"}
+
+
+def engine_args(options: EngineOptions, kv_cache_gb: float | None, on_cpu: bool, allowed: list[int]) -> dict[str, Any]:
+    """vLLM's settings that follow from the engine's options: memory, adapters, prefill, weight transfer, devices."""
     args = memory_args(kv_cache_gb, options.gpu_memory_utilization, on_cpu)
+    args.update(tensor_parallel_args(options, on_cpu, allowed))
     if options.adapters is not None:
         args.update(options.adapters.engine_args())
     if on_cpu:
@@ -200,7 +221,7 @@ class Sampler:
         for key, value in sampler_env(options.enforce_eager).items():
             os.environ.setdefault(key, value)
         # before vLLM starts: its CPU worker binds nothing in-process, and disables torch.set_num_threads
-        options.binding.apply(self.name)
+        allowed = options.binding.apply(self.name)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -215,7 +236,7 @@ class Sampler:
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
             enforce_eager=options.enforce_eager,
             enable_sleep_mode=options.sleep_mode,
-            **engine_args(options, kv_cache_gb, current_platform.is_cpu()),
+            **engine_args(options, kv_cache_gb, current_platform.is_cpu(), allowed),
         )
         if options.transport == "nccl":
             from rl_tpu.sync.nccl import attach_engine

@@ -4,6 +4,11 @@ bundle before the install waits for the engine, and install it while the engine 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+from typing import Iterator
+
 import torch
 
 from rl_tpu.records import WeightBundle
@@ -26,6 +31,19 @@ def tied_parameter_names(worker) -> dict[str, str]:
     return tied
 
 
+@contextlib.contextmanager
+def staged_weights(tensors: list[tuple[str, torch.Tensor]]) -> Iterator[str]:
+    """The tensors as one safetensors file in a folder of its own in shared memory (the host's temp folder where
+    there is none), removed after. Each is copied: safetensors refuses tensors that share storage (a tied head's
+    alias, the views of one received bucket)."""
+    from safetensors.torch import save_file
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="rl_tpu_weights_", dir=root) as folder:
+        save_file({name: tensor.cpu().clone() for name, tensor in tensors}, os.path.join(folder, "model.safetensors"))
+        yield folder
+
+
 class FullWeights:
     """Every weight of the model, replaced by each bundle."""
 
@@ -33,6 +51,7 @@ class FullWeights:
 
     def __init__(self, llm):
         self.llm = llm
+        self.workers = llm.llm_engine.vllm_config.parallel_config.world_size  # tensor-parallel worker processes
         # what the engine holds (fused names included, a tied head once): every install must fill all of it
         self.engine_params = set(llm.collective_rpc(engine_parameter_names)[0])
         # {a tied weight's source: its second name}: a bundle holds a tied head once, as the embedding
@@ -46,7 +65,11 @@ class FullWeights:
         # a tied head loaded under its own name too: vLLM's CPU backend packs the head into storage of its own at
         # load, which the embedding's new values alone would leave stale (on CUDA it shares them: loaded twice)
         aliased = [(self.aliases[name], tensor) for name, tensor in tensors if name in self.aliases]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors + aliased)})
+        if self.workers == 1:  # the worker is in this process: it reads the verified tensors where they lie
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors + aliased)})
+        else:  # workers of their own (tensor parallelism): each reads the whole of one file and loads its shard
+            with staged_weights(tensors + aliased) as folder:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def report(self) -> dict[str, float]:

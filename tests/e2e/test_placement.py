@@ -190,3 +190,12 @@ def test_unplaceable_request_fails_within_the_timeout_naming_the_resource(cluste
     while ray.available_resources().get("GPU", 0) != 1 and time.monotonic() < given_back:
         time.sleep(0.2)
     assert ray.available_resources().get("GPU", 0) == 1
+
+
+def test_an_engine_over_several_devices_takes_them_in_one_bundle():
+    cfg = run_config()
+    cfg.sampler.tensor_parallel_size = 2
+    plan = placement.make_plan(cfg, "cuda", {"CPU": 8, "GPU": 3})
+    assert plan.layout == "disaggregated" and plan.sampler_bundles == ({"CPU": 1.0, "GPU": 2.0},)
+    with pytest.raises(placement.PlacementError, match="cannot hold sampler.tensor_parallel_size=2 devices"):
+        placement.make_plan(cfg, "cuda", {"CPU": 8, "GPU": 2})  # 1 + 2 GPUs do not fit: auto would colocate

@@ -7,9 +7,11 @@ import shutil
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
+from rl_tpu.cluster.cores import CpuBinding
 from rl_tpu.models.logprobs import pad_batch, token_logprobs
 from rl_tpu.records import Bucket, TensorSpec, TrainBatch, WeightBundle, WeightSyncError
 from rl_tpu.sampler.engine import EngineOptions, SamplingSettings, launch_sampler
@@ -157,6 +159,31 @@ def test_a_compiled_engine_serves_installed_weights_as_an_eager_one(
     # an eager engine compiles nothing
     assert ray.get(fresh_engine.compiled_graphs.remote(), timeout=CALL_TIMEOUT_S) == 0
     ray.get(compiled.shutdown.remote(), timeout=CALL_TIMEOUT_S)
+
+
+def test_an_engine_over_two_workers_serves_installed_weights_as_one_worker_does(
+    ray_cluster, tiny_model_dir, new_weights, fresh_engine
+):
+    """`sampler.tensor_parallel_size=2` on CPU: vLLM's tensor parallelism over two worker processes of the engine's
+    actor, each loading its shard of an installed bundle from one staged file."""
+    ray = ray_cluster
+    model, folder = new_weights
+    prompts = _prompt_ids(folder)
+    options = EngineOptions(binding=CpuBinding(threads=2), tensor_parallel_size=2)
+    sharded = launch_sampler(str(tiny_model_dir), "float32", 128, 0.25, seed=0, options=options)
+    before = _generate(ray, sharded, prompts)
+    actor = psutil.Process(ray.get(sharded.where.remote(), timeout=CALL_TIMEOUT_S)["pid"])
+    workers = [p.name() for p in actor.children(recursive=True) if "Worker" in p.name()]
+    assert len(workers) == 2, workers  # vLLM's worker processes, one per shard
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    bundle = pack(state, version=1, transport=make_transport("object_store"), bucket_mb=1.0)
+    ray.get(sharded.install.remote(bundle), timeout=CALL_TIMEOUT_S)
+    synced, expected = _generate(ray, sharded, prompts), _generate(ray, fresh_engine, prompts)
+    assert [r.completion_ids for r in synced] == [r.completion_ids for r in expected]
+    assert [r.completion_ids for r in synced] != [r.completion_ids for r in before]
+    for ours, one_worker in zip(synced, expected):  # the shards' sums are added in another order: close, not equal
+        assert ours.logprobs == pytest.approx(one_worker.logprobs, rel=1e-4, abs=1e-5)
+    ray.get(sharded.shutdown.remote(), timeout=CALL_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -74,6 +74,10 @@ def test_value_checks_name_the_key():
         (["episode.reward=both"], "episode.reward='both': allowed values are plugin, tools, sum"),
         (["episode.max_turns=0"], "episode.max_turns=0 must be >= 1"),
         (["episode.tool_response_format=no placeholder"], "must contain {result}"),
+        (["sampler.tensor_parallel_size=0"], "sampler.tensor_parallel_size=0 >= 1"),
+        (["sampler.tensor_parallel_size=2", "device=cpu"], "splits an engine's 1 thread.* set sampler.threads"),
+        (["sampler.tensor_parallel_size=2", "sync.transport=cuda_ipc"], "needs a host transport: .*object_store"),
+        (["sampler.tensor_parallel_size=2", "actor.lora.lora_rank=8"], "LoRA adapter served as one"),
     ],
 )
 def test_algorithm_settings_are_checked_at_start(overrides, message):

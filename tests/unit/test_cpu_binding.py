@@ -131,3 +131,17 @@ def test_pinned_actors_start_at_their_runs_leased_block_and_run_unpinned_without
     assert trainers[0].cores == (4, 5) and engines[0].cores == (6,)
     assert trainers[1].cores == () and engines[1].cores == ()
     assert "no 3 consecutive cores free of other runs" in caplog.text
+
+
+def test_an_engine_over_two_cpu_workers_splits_its_cores_or_its_threads(monkeypatch):
+    from rl_tpu.sampler.engine import EngineOptions, tensor_parallel_args
+
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert tensor_parallel_args(EngineOptions(), on_cpu=True, allowed=[0, 1]) == {}
+    pinned = EngineOptions(binding=CpuBinding(threads=4, cores=(2, 3, 4, 5)), tensor_parallel_size=2)
+    args = tensor_parallel_args(pinned, on_cpu=True, allowed=[10, 11, 12, 13, 14, 15])
+    assert args == {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "12,13|14,15"  # the node's CPUs at the engine's positions
+    tensor_parallel_args(EngineOptions(binding=CpuBinding(threads=4), tensor_parallel_size=2), True, [0, 1, 2, 3])
+    assert (os.environ["VLLM_CPU_OMP_THREADS_BIND"], os.environ["OMP_NUM_THREADS"]) == ("nobind", "2")

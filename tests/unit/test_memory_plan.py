@@ -144,3 +144,15 @@ def test_the_plan_reads_the_model_folder_and_lines_show_each_item(tiny_model_dir
 def test_memory_check_takes_its_three_values_only():
     with pytest.raises(ValueError, match="trainer.memory_check='maybe': allowed values are refuse, warn, off"):
         TrainerConfig(memory_check="maybe")
+
+
+def test_an_engine_over_several_devices_holds_a_shard_of_the_weights_on_each():
+    cfg = RunConfig()
+    cfg.model.dtype, cfg.sampler.kv_cache_gb = "bfloat16", 4.0
+    whole = memory_plan.engine_phases(cfg, qwen_05b(), "cuda", "disaggregated", 80 * GiB)["generating"]
+    cfg.sampler.tensor_parallel_size = 2
+    half = memory_plan.engine_phases(cfg, qwen_05b(), "cuda", "disaggregated", 80 * GiB)["generating"]
+    assert half[1].bytes == whole[1].bytes // 2 and "sampler.tensor_parallel_size" in half[1].keys
+    assert half[2].bytes == whole[2].bytes  # each device's cache
+    host = memory_plan.build(cfg, qwen_05b(), "cpu", 64 * GiB).budgets[0]
+    assert host.processes[-1].count == 2 and host.processes[-1].name.startswith("engine worker")

@@ -118,6 +118,7 @@ class InProcessEngine:
         self.model_runner = SimpleNamespace(model=self.model)
         one_rank = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
         config = SimpleNamespace(parallel_config=one_rank, model_config=None)
+        self.llm_engine = SimpleNamespace(vllm_config=config)  # what the sampler reads of its engine's layout
         self.weight_transfer_engine = NCCLWeightTransferEngine(
             WeightTransferConfig(backend="nccl"), config, torch.device("cpu"), self.model
         )
