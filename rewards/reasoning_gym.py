@@ -15,7 +15,9 @@ import json
 
 
 @functools.lru_cache(maxsize=8)
-def _dataset(task: str, config_json: str, seed: int, size: int):
+def task_dataset(task: str, config_json: str, seed: int, size: int):
+    """reasoning-gym's dataset of a row's `extra_info.reasoning_gym` (its config as JSON): the one function that
+    makes a task's entries, for the rows (rl_tpu/data/reasoning_gym.py) and for scoring them."""
     import reasoning_gym
 
     config = json.loads(config_json)
@@ -37,7 +39,7 @@ def compute_score(
             f"reward reasoning_gym: a row of {data_source!r} has no extra_info.reasoning_gym; it scores the rows "
             "that data.reasoning_gym.task generates"
         )
-    dataset = _dataset(source["task"], source["config"], int(source["seed"]), int(source["size"]))
+    dataset = task_dataset(source["task"], source["config"], int(source["seed"]), int(source["size"]))
     entry = dataset[int(source["index"])]
     if str(entry["answer"]) != str(ground_truth):  # a row made by another reasoning-gym version, say
         raise ValueError(

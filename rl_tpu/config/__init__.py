@@ -417,6 +417,13 @@ class RunConfig:
         e, turn = self.episode, self.sampler.response_length
         return (e.max_tokens or turn * e.max_turns) if e.enable else turn
 
+    @property
+    def completion_keys(self) -> str:
+        """The keys that set `completion_tokens`, for the messages that ask to lower it."""
+        if self.episode.enable:
+            return "episode.max_tokens, or sampler.response_length x episode.max_turns"
+        return "sampler.response_length"
+
 
 def _required(key: str, what: str) -> None:
     raise ValueError(f"{key} is required by this recipe ({what}): add {key}=... to the command line")

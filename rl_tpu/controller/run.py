@@ -189,12 +189,7 @@ def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]
             f"{len(train_examples)} usable prompts of {training_data(cfg)}"
         )
     check_decoder(model_path, cfg.model.fp32_residual and value_of(cfg.model.dtype) != "float32")
-    keys = (
-        "episode.max_tokens, or sampler.response_length x episode.max_turns"
-        if cfg.episode.enable
-        else ("sampler.response_length")
-    )
-    check_context(model_path, cfg.data.max_prompt_length, cfg.completion_tokens, keys)
+    check_context(model_path, cfg.data.max_prompt_length, cfg.completion_tokens, cfg.completion_keys)
 
 
 def load_datasets(cfg: RunConfig, cache_dir: Path, tokenizer) -> tuple[list[Example], list[Example]]:

@@ -24,29 +24,26 @@ SOURCE_PREFIX = "reasoning_gym/"  # a row's data_source: the prefix and the task
 HELD_OUT_SEED_OFFSET = 1_000_003  # the held-out entries' seed is data.seed plus this
 
 
-def create_dataset(task: str, config: dict[str, Any], seed: int, size: int) -> Any:
-    """reasoning-gym's dataset for `task`, with errors that name the key and what it allows."""
-    import reasoning_gym
+def create_dataset(task: str, config_json: str, seed: int, size: int) -> Any:
+    """reasoning-gym's dataset for `task` (made by the reward's own `task_dataset`, so that rows and scores come
+    from the same entries), with errors that name the key and what it allows."""
     from reasoning_gym.factory import DATASETS
+
+    from rewards.reasoning_gym import task_dataset
 
     if task not in DATASETS:
         raise ValueError(f"data.reasoning_gym.task={task!r}: allowed values are {', '.join(sorted(DATASETS))}")
-    kwargs = dict(config)
-    if task == "composite":  # its mixture is a list of DatasetSpec objects, not of mappings
-        from reasoning_gym.composite import DatasetSpec
-
-        kwargs["datasets"] = [DatasetSpec(**spec) for spec in kwargs.get("datasets", [])]
     fields = [f.name for f in dataclasses.fields(DATASETS[task][1]) if f.name not in ("seed", "size")]
-    unknown = sorted(set(kwargs) - set(fields))
+    unknown = sorted(set(json.loads(config_json)) - set(fields))
     if unknown:
         raise ValueError(
             f"data.reasoning_gym.config: {', '.join(unknown)} not a field of {task}'s config; allowed keys are "
             f"{', '.join(fields)}"
         )
     try:
-        return reasoning_gym.create_dataset(task, seed=seed, size=size, **kwargs)
+        return task_dataset(task, config_json, seed, size)
     except (AssertionError, ValueError, TypeError) as err:  # its configs check themselves with assert
-        raise ValueError(f"data.reasoning_gym (task {task}, config {config}): {err}") from err
+        raise ValueError(f"data.reasoning_gym (task {task}, config {config_json}): {err}") from err
 
 
 def entry_rows(cfg: ReasoningGymConfig, seed: int, size: int, split: str, skip: set[str]) -> list[dict]:
@@ -59,13 +56,14 @@ def entry_rows(cfg: ReasoningGymConfig, seed: int, size: int, split: str, skip: 
             f"{', '.join(SYSTEM_PROMPTS)} or null (the question alone)"
         )
     system = [{"role": "system", "content": SYSTEM_PROMPTS[cfg.system_prompt]}] if cfg.system_prompt else []
-    dataset = create_dataset(cfg.task, cfg.config, seed, size)
+    config_json = json.dumps(cfg.config)  # as the row carries it, for the scorer to make the same dataset
+    dataset = create_dataset(cfg.task, config_json, seed, size)
     rows = []
     for index in range(size):
         entry = dataset[index]
         if entry["question"] in skip:
             continue
-        source = {"task": cfg.task, "config": json.dumps(cfg.config), "seed": seed, "size": size, "index": index}
+        source = {"task": cfg.task, "config": config_json, "seed": seed, "size": size, "index": index}
         rows.append(
             {
                 "data_source": SOURCE_PREFIX + cfg.task,
