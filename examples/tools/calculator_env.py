@@ -1,6 +1,8 @@
 """The calculator as an OpenEnv environment (openenv-core's `Environment`), served to the model as a tool by
 `rl_tpu.episodes.openenv_tool.OpenEnvTool` (openenv_calculator.yaml): one action, the expression; one observation,
-its value. The same evaluation as calculator.py, so the recipes' warm start calls it as it calls `calc`."""
+its value. The same evaluation as calculator.py, so the recipes' warm start calls it as it calls `calc`. It keeps
+no state worth keeping, so either `lifetime` serves it: a fresh one per call (openenv_calculator.yaml) or one per
+episode."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ class CalculatorEnvironment(Environment[CalcAction, CalcObservation, State]):
             value = evaluate(action.expression)
         except (ValueError, SyntaxError, ZeroDivisionError) as err:
             value = f"error: {err}"
-        return CalcObservation(value=value, done=True)
+        return CalcObservation(value=value)  # never done: with `lifetime: episode` one calculator serves every call
 
     @property
     def state(self) -> State:

@@ -145,6 +145,7 @@ class _Worker:
     detail: Any  # what its ready message said
     in_flight: deque = field(default_factory=deque)  # positions sent and not yet answered
     deadline: float = math.inf
+    source: deque | None = None  # the queue its share came from (where the unanswered rest goes back)
 
 
 class WorkerPool:
@@ -186,31 +187,49 @@ class WorkerPool:
         failed: Callable[[str, str], Any],
         shares_per_worker: int = 4,
         give_up: Callable[[list], bool] | None = None,
+        route: Callable[[Any], int | None] | None = None,
     ) -> list:
         """Every item's outcome, in order. `failed(kind, message)` is the outcome of an item whose worker timed out
         ("timeout") or died ("crash"). Batched workers get one share each and a deadline per item in it; the others
         get small shares (`shares_per_worker` each), so that the load balances, and answer item by item.
 
         `give_up(outcomes)`, asked as answers arrive (None where there is none yet), stops the run early: the busy
-        workers are replaced and every item without an answer gets `failed("cancelled", ...)`."""
+        workers are replaced and every item without an answer gets `failed("cancelled", ...)`.
+
+        `route(item)`, where given, pins an item to a worker (any int, taken modulo the pool's size; None: any
+        worker): items that need what an earlier item left in a worker's memory go where it went, in order. A worker
+        replaced after a failure keeps its place, not its memory."""
         self.running = True
         try:
-            return self._run(items, batched, failed, shares_per_worker, give_up)
+            return self._run(items, batched, failed, shares_per_worker, give_up, route)
         finally:
             self.running = False
             if self.closed:  # closed meanwhile: its workers were killed; reap them here
                 self._stop_all()
 
-    def _run(self, items: list, batched: bool, failed: Callable, shares_per_worker: int, give_up) -> list:
-        outcomes: list = [None] * len(items)
+    def _shares(self, items: list, batched: bool, shares_per_worker: int, route) -> tuple[deque, list[deque]]:
+        """The items' positions in shares: a queue any worker takes from, and one of its own per worker."""
         shares = len(self.workers) * (1 if batched else shares_per_worker)
         size = max(1, math.ceil(len(items) / shares))
-        queue = deque(list(range(start, min(start + size, len(items)))) for start in range(0, len(items), size))
+        anyone: list[int] = []
+        pinned: list[list[int]] = [[] for _ in self.workers]
+        for position, item in enumerate(items):
+            worker = route(item) if route else None
+            (anyone if worker is None else pinned[worker % len(self.workers)]).append(position)
+
+        def cut(positions: list[int]) -> deque:
+            return deque(positions[start : start + size] for start in range(0, len(positions), size))
+
+        return cut(anyone), [cut(positions) for positions in pinned]
+
+    def _run(self, items: list, batched: bool, failed: Callable, shares_per_worker: int, give_up, route) -> list:
+        outcomes: list = [None] * len(items)
+        queue, own_queues = self._shares(items, batched, shares_per_worker, route)
         done = 0
         while done < len(items) and not self.closed:
-            for worker in self.workers:
-                if not worker.in_flight and queue:
-                    self._send(worker, queue.popleft(), items, batched)
+            for worker, own in zip(self.workers, own_queues):
+                if not worker.in_flight and (own or queue):
+                    self._send(worker, own or queue, items, batched)
             busy = [w for w in self.workers if w.in_flight]
             remaining = min(w.deadline for w in busy) - time.monotonic()
             for inbox in wait([w.inbox for w in busy], timeout=max(0.0, remaining)):
@@ -222,7 +241,7 @@ class WorkerPool:
                         break
                     code = worker.process.wait()
                     done += self._lose(
-                        worker, outcomes, queue, batched, failed("crash", f"the worker died (exit code {code})")
+                        worker, outcomes, batched, failed("crash", f"the worker died (exit code {code})")
                     )
                     continue
                 for position, outcome in message:
@@ -232,7 +251,7 @@ class WorkerPool:
                 worker.deadline = time.monotonic() + self.timeout_s
             for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline and not self.closed]:
                 timeout = failed("timeout", f"no answer within {self.timeout_s:g} s")
-                done += self._lose(worker, outcomes, queue, batched, timeout)
+                done += self._lose(worker, outcomes, batched, timeout)
             if give_up is not None and done < len(items) and give_up(outcomes):
                 self._cancel(outcomes, failed("cancelled", "not run: the batch was given up"))
                 break
@@ -305,12 +324,13 @@ class WorkerPool:
             worker.process.wait()
         worker.inbox.close()
 
-    def _send(self, worker: _Worker, positions: list[int], items: list, batched: bool) -> None:
-        worker.in_flight = deque(positions)
+    def _send(self, worker: _Worker, source: deque, items: list, batched: bool) -> None:
+        positions = source.popleft()
+        worker.in_flight, worker.source = deque(positions), source
         worker.deadline = time.monotonic() + self.timeout_s * (len(positions) if batched else 1)
         worker.outbox.send((positions, [items[p] for p in positions]))
 
-    def _lose(self, worker: _Worker, outcomes: list, queue: deque, batched: bool, outcome: Any) -> int:
+    def _lose(self, worker: _Worker, outcomes: list, batched: bool, outcome: Any) -> int:
         """A worker timed out or died: fail the item(s) it was on, requeue the rest, replace it. Returns the
         number of items failed."""
         # per-item workers answer in order, so the first unanswered item is the culprit
@@ -319,7 +339,7 @@ class WorkerPool:
             outcomes[position] = outcome
         rest = [p for p in worker.in_flight if p not in culprits]
         if rest:
-            queue.appendleft(rest)
+            worker.source.appendleft(rest)
         worker.in_flight = deque()
         self._stop(worker, kill=True)
         self.workers[self.workers.index(worker)] = self._spawn()

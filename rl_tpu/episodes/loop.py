@@ -5,18 +5,22 @@ An episode ends when its model turn calls no tool, after `max_turns` model turns
 then is cut: truncated "max_turns"), or when its tokens after the prompt reach `max_tokens` (truncated
 "max_tokens"; a tool result that would not leave room for one more model token is not appended, so an episode
 always ends on the model's tokens, where the outcome reward sits).
+
+A tool with an instance per episode (`lifetime: episode`, a stateful environment) is created by the episode's
+first call of it and released when the episode ends, with the next turn's calls (the rest when the batch ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rl_tpu.data.datasets import derived_seed
 from rl_tpu.episodes.render import Renderer, make_renderer
-from rl_tpu.episodes.tool_worker import ToolCall
-from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolSettings
+from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease
+from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolResult, ToolSettings
 from rl_tpu.records import EpisodeStats, Rollout
 
 
@@ -90,6 +94,9 @@ class Episode:
     finish_reason: str = "stop"
     done: bool = False
     pending_calls: list[tuple[str, str]] = field(default_factory=list)  # this turn's calls, (name, JSON arguments)
+    key: str = ""  # unique in the engine's life: names its instances of per-episode tools
+    open_tools: set[str] = field(default_factory=set)  # per-episode tools it called, not yet released
+    succeeded_tools: set[str] = field(default_factory=set)  # per-episode tools it called successfully
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.ids
@@ -141,14 +148,18 @@ class EpisodeRunner:
         generate: Callable[[list[TurnRequest]], list[TurnOutput]],
     ) -> list[Rollout]:
         """`samples` episodes per prompt, in prompt order (each prompt's `group` its index)."""
+        batch = uuid.uuid4().hex
         episodes = [
-            Episode(list(prompt), seed, sample, group, kwargs)
+            Episode(list(prompt), seed, sample, group, kwargs, key=f"{batch}/{group}/{sample}")
             for group, (prompt, seed, kwargs) in enumerate(zip(prompts, seeds, tools_kwargs, strict=True))
             for sample in range(samples)
         ]
-        while live := [e for e in episodes if not e.done]:
-            live = self._model_turn(live, generate)
-            self._tool_turn(live)
+        try:
+            while live := [e for e in episodes if not e.done]:
+                calling = self._model_turn(live, generate)
+                self._tool_turn(calling, ending=[e for e in live if e.done and e.open_tools])
+        finally:  # what is still open: episodes that ended on a tool turn, or all of them if the batch failed
+            self._tool_turn([], ending=[e for e in episodes if e.open_tools])
         return [e.rollout() for e in episodes]
 
     def _model_turn(self, live: list[Episode], generate) -> list[Episode]:
@@ -182,13 +193,28 @@ class EpisodeRunner:
                 calling.append(episode)
         return calling
 
-    def _tool_turn(self, calling: list[Episode]) -> None:
-        calls = [
-            ToolCall(name, arguments, e.tools_kwargs.get(name, {}).get("create_kwargs", {}))
-            for e in calling
-            for name, arguments in e.pending_calls
-        ]
-        results, seconds = self.tools.run(calls)
+    @staticmethod
+    def _count(episode: Episode, name: str, result: ToolResult) -> None:
+        if result.failure:
+            episode.stats.tool_failures[name] = episode.stats.tool_failures.get(name, 0) + 1
+        episode.stats.tool_reward += result.reward
+
+    def _call(self, episode: Episode, name: str, arguments: str) -> ToolCall:
+        create_kwargs = episode.tools_kwargs.get(name, {}).get("create_kwargs", {})
+        if name not in self.tools.per_episode:
+            return ToolCall(name, arguments, create_kwargs)
+        episode.open_tools.add(name)
+        return ToolCall(name, arguments, create_kwargs, episode.key, name not in episode.succeeded_tools)
+
+    def _tool_turn(self, calling: list[Episode], ending: list[Episode]) -> None:
+        """Runs the calling episodes' calls and appends their results; releases the ending episodes' instances."""
+        calls = [self._call(e, name, arguments) for e in calling for name, arguments in e.pending_calls]
+        owners = [(e, name) for e in ending for name in sorted(e.open_tools)]
+        for episode in ending:
+            episode.open_tools = set()
+        results, seconds = self.tools.run(calls, [ToolRelease(name, e.key) for e, name in owners])
+        for (episode, name), result in zip(owners, results[len(calls) :]):
+            self._count(episode, name, result)  # calc_reward's, once per instance
         start = 0
         for episode in calling:
             mine = results[start : start + len(episode.pending_calls)]
@@ -198,9 +224,9 @@ class EpisodeRunner:
                     episode.stats.malformed_calls += 1
                     continue
                 episode.stats.tool_calls[name] = episode.stats.tool_calls.get(name, 0) + 1
-                if result.failure:
-                    episode.stats.tool_failures[name] = episode.stats.tool_failures.get(name, 0) + 1
-                episode.stats.tool_reward += result.reward
+                self._count(episode, name, result)
+                if result.failure is None and name in self.tools.per_episode:
+                    episode.succeeded_tools.add(name)
             episode.stats.tool_s += seconds
             ids = self.renderer.environment_ids(episode.context(), episode.pending_calls, [r.text for r in mine])
             if len(episode.ids) + len(ids) >= self.limits.max_tokens:

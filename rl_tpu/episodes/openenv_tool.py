@@ -2,22 +2,24 @@
 rl_tpu.episodes.openenv_tool.OpenEnvTool` turns an OpenEnv `Environment` (openenv-core) into a tool the model calls.
 
     model's call {"name": ..., "arguments": {...}}
-        -> create: a fresh environment, reset(seed, **the row's create_kwargs)
+        -> create: a fresh environment, reset(**the row's create_kwargs)
         -> execute: step(Action(**arguments)) -> Observation
         -> the observation's fields as the text the model reads; its reward as the call's step reward
         -> release: close()
 
-A call is one reset and one step of its own environment, as verl's agent loop gives every call its own tool
-instance: environments whose episode is one action (a calculator, a code runner, a checker) fit as they are; one
-that keeps state across the model's turns does not yet (calls of an episode may run in different tool workers).
-The tool's schema is the action's fields (its pydantic schema, less OpenEnv's `metadata`), unless the YAML gives
+By default (`lifetime: call`) a call is one reset and one step of its own environment, as verl's agent loop gives
+every call its own tool instance: environments whose episode is one action (a calculator, a code runner, a
+checker) fit as they are. With `lifetime: episode` the environment lives for the model's whole episode: its first
+call resets it, every call is one step of it, and it closes when the episode ends (rl_tpu.episodes.tool_worker
+keeps it in one tool worker); once an observation says `done`, further calls fail with a line saying so. The
+tool's schema is the action's fields (its pydantic schema, less OpenEnv's `metadata`), unless the YAML gives
 `tool_schema`. The environment runs in the tool worker process (deadline and memory limit as for any tool); a
 remote OpenEnv server (`EnvClient`) is not wired.
 
 Config keys (the YAML entry's `config`, beside verl's `type: native`): `environment` (import path of the
 `Environment` subclass), `action` (import path of its `Action`; default: the one the class declares as its first
 type argument), `name` and `description` (the function's; defaults: the class's name and docstring),
-`environment_kwargs` (given to the class).
+`environment_kwargs` (given to the class), `lifetime` (`call` or `episode`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class OpenEnvTool(BaseTool):
         self.action = import_object(declared, "action") if declared else declared_action(self.environment)
         self.environment_kwargs = dict(config.get("environment_kwargs") or {})
         self.instances: dict[str, Any] = {}
+        self.finished: set[str] = set()  # instances whose last observation said done
         if tool_schema is None:
             name = config.get("name", self.environment.__name__)
             description = config.get("description", (self.environment.__doc__ or name).strip().splitlines()[0])
@@ -105,7 +108,11 @@ class OpenEnvTool(BaseTool):
         return instance_id, ToolResponse()
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        if instance_id in self.finished:
+            raise ValueError(f"{self.name}: this episode's environment is done; it takes no more actions")
         observation = self.instances[instance_id].step(self.parse_action(parameters))
+        if observation.done:
+            self.finished.add(instance_id)
         reward = 0.0 if observation.reward is None else float(observation.reward)
         return ToolResponse(text=observation_text(observation)), reward, {"done": bool(observation.done)}
 
@@ -119,6 +126,7 @@ class OpenEnvTool(BaseTool):
             raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
 
     async def release(self, instance_id: str, **kwargs) -> None:
+        self.finished.discard(instance_id)
         environment = self.instances.pop(instance_id, None)
         if environment is not None:
             environment.close()

@@ -5,7 +5,14 @@ Started by `rl_tpu.episodes.tools.ToolBox` through `rl_tpu.cluster.worker_pool` 
 ``python -m rl_tpu.episodes.tool_worker READ_FD WRITE_FD``. A `BaseTool` call runs its life cycle as verl's
 agent loop does (``create(create_kwargs=...)``, ``execute``, then ``calc_reward`` and ``release`` on the same
 instance); a function tool is called with the arguments. Every outcome is a message: ``("ok", text, reward)``
-or ``("fail", kind, message)`` with kind ``unknown_tool``, ``bad_arguments``, ``exception`` or ``invalid``.
+or ``("fail", kind, message)`` with kind ``unknown_tool``, ``bad_arguments``, ``exception``, ``invalid`` or
+``lost``.
+
+A `BaseTool` whose YAML config says ``lifetime: episode`` keeps one instance per episode instead (a stateful
+environment: a game, a shell, a database): its episode's first call creates it, every call of that episode runs
+``execute`` on it (the pool sends them all to this worker), and a `ToolRelease` at the episode's end asks
+``calc_reward`` once and releases it. A call for an instance this worker does not hold, though an earlier call of
+the episode succeeded, fails as ``lost`` (the worker was replaced after a crash or timeout: its state is gone).
 
 It speaks `rl_tpu.cluster.worker_pool`'s protocol (bounded memory and CPU seconds, death with its parent): its
 setup is the `ToolSources`, its ready detail the tools' OpenAI schemas by name, and it answers call by call.
@@ -29,11 +36,38 @@ class ToolSources:
     function_tool_path: str | None  # a .py file of `@function_tool` functions
 
 
+LIFETIMES = ("call", "episode")  # a BaseTool's `lifetime` config key: an instance per call, or per episode
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # JSON, as the parser read it
     create_kwargs: dict  # the example's `extra_info.tools_kwargs[name].create_kwargs` (verl's convention)
+    episode: str | None = None  # the episode's key, for a tool with an instance per episode
+    may_create: bool = True  # no earlier call of this tool in the episode succeeded: a missing instance is made
+
+
+@dataclass(frozen=True)
+class ToolRelease:
+    """The end of an episode's instance of a per-episode tool."""
+
+    name: str
+    episode: str
+
+
+@dataclass
+class ToolWorker:
+    tools: dict[str, Any]
+    instances: dict[tuple[str, str], Any]  # (episode, tool name) -> instance id, for per-episode tools
+
+
+def lifetime(tool: Any) -> str:
+    """A tool's `lifetime` config key (function tools have none: an instance per call)."""
+    value = (getattr(tool, "config", None) or {}).get("lifetime", "call")
+    if value not in LIFETIMES:
+        raise ValueError(f"tool {tool.name!r}: config lifetime={value!r}; allowed values are {', '.join(LIFETIMES)}")
+    return value
 
 
 def load_tools(sources: ToolSources) -> dict[str, Any]:
@@ -44,6 +78,14 @@ def load_tools(sources: ToolSources) -> dict[str, Any]:
 
 def schemas(tools: dict[str, Any]) -> dict[str, dict]:
     return {name: tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for name, tool in tools.items()}
+
+
+@dataclass(frozen=True)
+class ToolsReady:
+    """A worker's ready detail."""
+
+    schemas: dict[str, dict]  # name -> OpenAI function schema, for chat templates
+    per_episode: frozenset[str]  # the tools with an instance per episode
 
 
 class InvalidResult(ValueError):
@@ -68,22 +110,56 @@ def _text(response: Any, name: str) -> str:
     return response.text or ""
 
 
+class LostInstance(RuntimeError):
+    """A per-episode tool's instance is not in this worker (it was replaced after a failure)."""
+
+
+async def _execute(tool: Any, instance: str, name: str, arguments: dict) -> tuple[str, float]:
+    result = await tool.execute(instance, arguments)
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise InvalidResult(f"tool {name!r}: execute returned {result!r}, not (ToolResponse, reward, metrics)")
+    response, step_reward, _metrics = result
+    return _text(response, name), _reward(step_reward, f"tool {name!r} execute")
+
+
 async def _run_base_tool(tool: Any, call: ToolCall, arguments: dict) -> tuple[str, float]:
     instance = None
     try:
         instance, _ = await tool.create(create_kwargs=call.create_kwargs)
-        result = await tool.execute(instance, arguments)
-        if not isinstance(result, tuple) or len(result) != 3:
-            raise InvalidResult(f"tool {call.name!r}: execute returned {result!r}, not (ToolResponse, reward, metrics)")
-        response, step_reward, _metrics = result
-        text = _text(response, call.name)
-        reward = _reward(step_reward, f"tool {call.name!r} execute") + _reward(
-            await tool.calc_reward(instance), f"tool {call.name!r} calc_reward"
-        )
-        return text, reward
+        text, reward = await _execute(tool, instance, call.name, arguments)
+        return text, reward + _reward(await tool.calc_reward(instance), f"tool {call.name!r} calc_reward")
     finally:
         if instance is not None:
             await tool.release(instance)
+
+
+async def _run_episode_tool(worker: ToolWorker, tool: Any, call: ToolCall, arguments: dict) -> tuple[str, float]:
+    key = (call.episode, call.name)
+    if key not in worker.instances:
+        if not call.may_create:
+            raise LostInstance(
+                f"tool {call.name!r}: this episode's instance is gone with the tool worker that held it (replaced "
+                "after a crash or timeout); its state is lost"
+            )
+        worker.instances[key], _ = await tool.create(create_kwargs=call.create_kwargs)
+    return await _execute(tool, worker.instances[key], call.name, arguments)
+
+
+async def release(worker: ToolWorker, end: ToolRelease) -> tuple:
+    """An episode's instance: its `calc_reward`, then released. One this worker does not hold (lost with a
+    replaced worker, or never created) has nothing to release."""
+    instance = worker.instances.pop((end.episode, end.name), None)
+    if instance is None:
+        return ("ok", "", 0.0)
+    tool = worker.tools[end.name]
+    try:
+        return ("ok", "", _reward(await tool.calc_reward(instance), f"tool {end.name!r} calc_reward"))
+    except InvalidResult as err:
+        return ("fail", "invalid", str(err))
+    except Exception as err:
+        return ("fail", "exception", "".join(traceback.format_exception(err)))
+    finally:
+        await tool.release(instance)
 
 
 async def _run_function_tool(tool: Any, call: ToolCall, arguments: dict) -> tuple[str, float]:
@@ -93,9 +169,10 @@ async def _run_function_tool(tool: Any, call: ToolCall, arguments: dict) -> tupl
     return _text(response, call.name), _reward(step_reward, f"tool {call.name!r}")
 
 
-async def run_call(tools: dict[str, Any], call: ToolCall) -> tuple:
+async def run_call(worker: ToolWorker, call: ToolCall) -> tuple:
     from verl.tools.function_tool import FunctionTool
 
+    tools = worker.tools
     tool = tools.get(call.name)
     if tool is None:
         return ("fail", "unknown_tool", f"Unknown function {call.name!r}. Available tools: {sorted(tools)}")
@@ -106,24 +183,35 @@ async def run_call(tools: dict[str, Any], call: ToolCall) -> tuple:
     except (json.JSONDecodeError, TypeError) as err:
         return ("fail", "bad_arguments", f"Invalid JSON in arguments for {call.name!r}: {err}")
     try:
-        run = _run_function_tool if isinstance(tool, FunctionTool) else _run_base_tool
-        text, reward = await run(tool, call, arguments)
+        if isinstance(tool, FunctionTool):
+            text, reward = await _run_function_tool(tool, call, arguments)
+        elif call.episode is not None:
+            text, reward = await _run_episode_tool(worker, tool, call, arguments)
+        else:
+            text, reward = await _run_base_tool(tool, call, arguments)
     except InvalidResult as err:
         return ("fail", "invalid", str(err))
+    except LostInstance as err:
+        return ("fail", "lost", str(err))
     except Exception as err:
         return ("fail", "exception", "".join(traceback.format_exception(err)))
     return ("ok", text, reward)
 
 
-def load(sources: ToolSources) -> tuple[dict[str, Any], dict[str, dict]]:
+def load(sources: ToolSources) -> tuple[ToolWorker, ToolsReady]:
     tools = load_tools(sources)
-    return tools, schemas(tools)
+    per_episode = frozenset(name for name, tool in tools.items() if lifetime(tool) == "episode")
+    return ToolWorker(tools, {}), ToolsReady(schemas(tools), per_episode)
 
 
-def answer(tools: dict[str, Any], positions: list[int], calls: list[ToolCall], loop) -> Iterator[list]:
-    for position, call in zip(positions, calls):
-        yield [(position, loop.run_until_complete(run_call(tools, call)))]
+def answer(worker: ToolWorker, positions: list[int], items: list, loop) -> Iterator[list]:
+    for position, item in zip(positions, items):
+        run = release(worker, item) if isinstance(item, ToolRelease) else run_call(worker, item)
+        yield [(position, loop.run_until_complete(run))]
 
 
 if __name__ == "__main__":
-    serve(load, answer)
+    # run as the imported module, not as __main__: the classes it sends and receives must be the parent's
+    from rl_tpu.episodes import tool_worker
+
+    serve(tool_worker.load, tool_worker.answer)

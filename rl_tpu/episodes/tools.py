@@ -2,7 +2,8 @@
 
 A call that fails (the tool raised, timed out, killed its worker, returned something that is not a
 `ToolResponse` with string text, or was asked for an unknown tool or with bad JSON) answers the model with a
-short error text, as verl's agent loop does, and is counted; the episode goes on.
+short error text, as verl's agent loop does, and is counted; the episode goes on. The calls of a tool with an
+instance per episode (`lifetime: episode`) all go to the worker that holds it, and so does its release.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import logging
 import math
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
-from rl_tpu.episodes.tool_worker import ToolCall, ToolSources
+from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease, ToolSources, ToolsReady
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +92,26 @@ class ToolBox:
             f"tool worker for {where}",
             ToolError,
         )
-        self.schemas: dict[str, dict] = self.pool.detail  # name -> OpenAI function schema, for chat templates
+        ready: ToolsReady = self.pool.detail
+        self.schemas = ready.schemas  # name -> OpenAI function schema, for chat templates
+        self.per_episode = ready.per_episode  # the tools with an instance per episode
 
-    def run(self, calls: list[ToolCall]) -> tuple[list[ToolResult], float]:
-        """Every call's result, in order (all at once across the workers), and the seconds they took."""
-        if not calls:
+    def run(self, calls: list[ToolCall], ends: Sequence[ToolRelease] = ()) -> tuple[list[ToolResult], float]:
+        """Every call's result, in order, then each release's (its reward `calc_reward`'s), and the seconds they
+        took; all run at once across the workers."""
+        if not calls and not ends:
             return [], 0.0
         start = time.perf_counter()
+        items = [*calls, *ends]
         outcomes = self.pool.run(
-            calls, batched=False, failed=lambda kind, message: ("fail", kind, message), shares_per_worker=len(calls)
+            items,
+            batched=False,
+            failed=lambda kind, message: ("fail", kind, message),
+            shares_per_worker=len(items),
+            route=lambda item: zlib.crc32(item.episode.encode()) if item.episode is not None else None,
         )
         results = []
-        for call, outcome in zip(calls, outcomes):
+        for call, outcome in zip(items, outcomes):
             if outcome[0] == "ok":
                 _, text, reward = outcome
                 results.append(

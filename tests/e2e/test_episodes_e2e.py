@@ -6,10 +6,12 @@ answers; after every weight sync the engine's and the trainer's fp32 logprobs of
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import MODULE_CLI, REPO
 from test_e2e import assert_same_steps
 
@@ -74,8 +76,16 @@ def test_a_sync_run_with_a_deterministic_tool_resumes_exactly(episode_run):
 
 def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_runs(episode_run):
     """reasoning-gym's `basic_arithmetic` in place of data files, scored by its own scorer; the calculator an OpenEnv
-    `Environment` behind rl_tpu's OpenEnvTool, named in a verl tools YAML."""
+    `Environment` behind rl_tpu's OpenEnvTool, named in a verl tools YAML, one environment per episode (`lifetime:
+    episode`: created at its first call, released at its end, its calls routed to the worker holding it)."""
     run = episode_run / "reasoning_gym"
+    tools = yaml.safe_load((REPO / "examples/tools/openenv_calculator.yaml").read_text())
+    tools["tools"][0]["config"]["lifetime"] = "episode"
+    (run / "tools").mkdir(parents=True)
+    tools_file = run / "tools" / "openenv_calculator.yaml"
+    tools_file.write_text(yaml.safe_dump(tools))
+    for module in ("calculator_env.py", "calculator.py"):  # the workers import them from the YAML's folder
+        shutil.copy(REPO / "examples/tools" / module, run / "tools")
     episode_cli(
         run,
         episode_run / "cache",
@@ -89,11 +99,12 @@ def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_runs(episo
         "sampler.n=8",
         "episode.function_tool_path=null",  # the recipe's calc function: the OpenEnv tool has its name
         f"trainer.rollout_data_dir={run / 'rollouts'}",
-        tool=f"episode.tools_config_file={REPO / 'examples/tools/openenv_calculator.yaml'}",
+        tool=f"episode.tools_config_file={tools_file}",
     )
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows if "actor/loss" in r] == [1, 2]
     assert sum(r.get("episode/tool/calc/calls", 0) for r in rows) > 0, "the OpenEnv calculator was never called"
+    assert all(r.get("episode/tool/calc/failures", 0) == 0 for r in rows)  # none lost, none refused
     dumped = [json.loads(line) for line in (run / "rollouts" / "1.jsonl").read_text().splitlines()]
     assert dumped and all(row["input"].startswith("Calculate ") for row in dumped)  # reasoning-gym's question
     assert all(0.0 <= row["score"] <= 1.0 for row in dumped)

@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml as yaml_module
 
 from rewards.reasoning_gym import compute_score
 from rl_tpu.config.reasoning_gym import ReasoningGymConfig
 from rl_tpu.data.datasets import read_rows
 from rl_tpu.data.reasoning_gym import ensure_reasoning_gym_dataset
-from rl_tpu.episodes.tool_worker import ToolCall
+from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease
 from rl_tpu.episodes.tools import ToolBox, ToolSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,10 +86,11 @@ def openenv_toolbox(tmp_path_factory):
         "class_name": "rl_tpu.episodes.openenv_tool.OpenEnvTool",
         "config": {"type": "native", "environment": "calculator_env.CalculatorEnvironment", "name": "calc"},
     }
-    yaml.write_text(json.dumps({"tools": [entry]}))  # JSON is YAML
-    (folder / "calculator_env.py").write_text((REPO / "examples/tools/calculator_env.py").read_text())
-    (folder / "calculator.py").write_text((REPO / "examples/tools/calculator.py").read_text())
-    box = ToolBox(ToolSettings(str(yaml), None, 1, 10.0, 2048, 64))
+    [guess] = yaml_module.safe_load((REPO / "examples/tools/guess_number.yaml").read_text())["tools"]
+    yaml.write_text(json.dumps({"tools": [entry, guess]}))  # JSON is YAML
+    for module in ("calculator_env.py", "calculator.py", "guess_number_env.py"):
+        (folder / module).write_text((REPO / "examples/tools" / module).read_text())
+    box = ToolBox(ToolSettings(str(yaml), None, 2, 10.0, 2048, 64))
     yield box
     box.close()
 
@@ -108,6 +110,34 @@ def test_an_openenv_environment_is_a_tool_whose_parameters_are_its_action_fields
     assert (results[0].text, results[0].failure) == ("1776", None)
     assert results[1].failure == "exception" and "expression" in results[1].text
     assert results[2].failure is None and results[2].text.startswith("error: unsupported operator")
+
+
+def guess(value: int, episode: str, target: int | None = None) -> ToolCall:
+    return ToolCall("guess", json.dumps({"guess": value}), {"target": target}, episode, may_create=target is not None)
+
+
+def test_an_openenv_environment_with_lifetime_episode_is_one_game_across_the_episodes_calls(openenv_toolbox):
+    assert openenv_toolbox.per_episode == {"guess"}
+    schema = openenv_toolbox.schemas["guess"]["function"]
+    assert schema["parameters"]["required"] == ["guess"] and schema["parameters"]["properties"]["guess"]["type"]
+    opened, _ = openenv_toolbox.run([guess(50, "a", target=70), guess(50, "b", target=20)])
+    assert [json.loads(r.text) for r in opened] == [{"hint": "higher", "guesses": 1}, {"hint": "lower", "guesses": 1}]
+    moves = [guess(80, "a"), guess(20, "b"), guess(70, "a")]  # a's second and third guesses in one turn, in order
+    played, _ = openenv_toolbox.run(moves)
+    assert [json.loads(r.text) for r in played] == [
+        {"hint": "lower", "guesses": 2},
+        {"hint": "correct", "guesses": 2},
+        {"hint": "correct", "guesses": 3},
+    ]
+    assert [r.reward for r in played] == [0.0, pytest.approx(0.9), pytest.approx(0.8)]  # the step rewards
+    [over], _ = openenv_toolbox.run([guess(70, "a")])
+    assert over.failure == "exception" and over.text.endswith(
+        "guess: this episode's environment is done; it takes no more actions"
+    )
+    ended, _ = openenv_toolbox.run([], [ToolRelease("guess", "a"), ToolRelease("guess", "b")])
+    assert [r.failure for r in ended] == [None, None]
+    [gone], _ = openenv_toolbox.run([guess(1, "a")])
+    assert gone.failure == "lost"  # closed with its episode
 
 
 def test_the_reasoning_gym_recipe_takes_any_task_with_one_override():

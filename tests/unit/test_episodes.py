@@ -13,14 +13,15 @@ from conftest import compose_run
 
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeRunner, ToolCallParser, TurnOutput, TurnRequest
 from rl_tpu.episodes.render import ChatRenderer, PlainRenderer
-from rl_tpu.episodes.tool_worker import ToolCall
-from rl_tpu.episodes.tools import ToolBox, ToolSettings, truncate
+from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease
+from rl_tpu.episodes.tools import ToolBox, ToolError, ToolSettings, truncate
 
 REPO = Path(__file__).resolve().parents[2]
 CALC_FUNCTION = str(REPO / "examples/tools/calc_function.py")
 RESPONSE_FORMAT = "\n<tool_response>\n{result}\n</tool_response>\n"
 
 MISBEHAVING_TOOLS = """
+import os
 import time
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import ToolResponse
@@ -47,15 +48,37 @@ class Rewards(BaseTool):
 
     async def calc_reward(self, instance_id, **kwargs):
         return 0.5
+
+class Counter(BaseTool):  # lifetime: episode; says which process holds it and how often it was called
+    counts = {}
+
+    async def create(self, instance_id=None, **kwargs):
+        instance_id, _ = await super().create(instance_id)
+        self.counts[instance_id] = kwargs["create_kwargs"].get("start", 0)
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        if parameters.get("exit"):
+            os._exit(3)
+        self.counts[instance_id] += 1
+        return ToolResponse(text=f"{os.getpid()} count {self.counts[instance_id]}"), 0.125, {}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        return 0.5
+
+    async def release(self, instance_id, **kwargs):
+        del self.counts[instance_id]
 """
+LIFETIMES = {"Counter": "episode"}
 
 
 def tools_yaml(folder: Path) -> Path:
     (folder / "misbehaving.py").write_text(MISBEHAVING_TOOLS)
     entries = []
-    for name in ("Hangs", "Raises", "ReturnsNumber", "ReturnsNonStringText", "Rewards"):
+    for name in ("Hangs", "Raises", "ReturnsNumber", "ReturnsNonStringText", "Rewards", "Counter"):
         schema = {"type": "function", "function": {"name": name.lower(), "description": name}}
-        entries.append({"class_name": f"misbehaving.{name}", "config": {"type": "native"}, "tool_schema": schema})
+        config = {"type": "native", "lifetime": LIFETIMES.get(name, "call")}
+        entries.append({"class_name": f"misbehaving.{name}", "config": config, "tool_schema": schema})
     path = folder / "tools.yaml"
     path.write_text(json.dumps({"tools": entries}))  # JSON is YAML
     return path
@@ -99,6 +122,37 @@ def test_a_calls_reward_is_executes_step_reward_plus_calc_reward_and_bad_calls_a
     assert results[0].reward == pytest.approx(0.75) and results[0].failure is None
     assert results[1].failure == "unknown_tool" and "Available tools" in results[1].text
     assert results[2].failure == "bad_arguments" and "Invalid JSON" in results[2].text
+
+
+def test_a_per_episode_tool_keeps_its_instance_in_one_worker_until_released_and_a_lost_one_is_named(toolbox):
+    assert toolbox.per_episode == {"counter"}
+    episodes = [f"batch/{group}/0" for group in range(6)]
+    first, _ = toolbox.run([ToolCall("counter", "{}", {"start": 10}, key) for key in episodes])
+    second, _ = toolbox.run([ToolCall("counter", "{}", {}, key, may_create=False) for key in episodes])
+    for one, two in zip(first, second):
+        pid, _, count = one.text.partition(" count ")
+        assert (count, one.reward, one.failure) == ("11", 0.125, None)  # calc_reward waits for the release
+        assert two.text == f"{pid} count 12"  # the same instance, in the same worker
+    assert len({r.text.split()[0] for r in first}) == 2  # the episodes are spread over both workers
+    ends, _ = toolbox.run([], [ToolRelease("counter", key) for key in episodes])
+    assert [(r.reward, r.failure) for r in ends] == [(0.5, None)] * len(episodes)  # calc_reward, once each
+    # released: its instance is gone, and a call that may not make one says so; so does one whose worker died
+    crashed, _ = toolbox.run(
+        [ToolCall("counter", "{}", {}, episodes[0], may_create=False), ToolCall("counter", '{"exit": true}', {}, "b")]
+    )
+    assert crashed[0].failure == "lost" and "its state is lost" in crashed[0].text
+    assert crashed[1].failure == "crash"
+    [after], _ = toolbox.run([ToolCall("counter", "{}", {}, "b", may_create=False)])
+    assert after.failure == "lost"
+
+
+def test_a_tools_lifetime_is_call_or_episode(tmp_path):
+    yaml = tmp_path / "tools.yaml"
+    entry = {"class_name": "verl.tools.base_tool.BaseTool", "config": {"type": "native", "lifetime": "run"}}
+    schema = {"type": "function", "function": {"name": "f", "description": "f"}}
+    yaml.write_text(json.dumps({"tools": [{**entry, "tool_schema": schema}]}))
+    with pytest.raises(ToolError, match="tool 'f': config lifetime='run'; allowed values are call, episode"):
+        ToolBox(ToolSettings(str(yaml), None, 1, 3.0, 2048, 64))
 
 
 def test_long_results_are_cut_with_verls_markers():
@@ -201,6 +255,22 @@ def test_samples_of_a_prompt_are_separate_episodes_in_prompt_order_with_their_ow
     assert [r.prompt_ids for r in rollouts] == [prompts[0]] * 2 + [prompts[1]] * 2
     seeds = [r.seed for r in engine.requests[0]]
     assert len(set(seeds)) == 4 and [r.seed for r in engine.requests[1]] != seeds  # per episode and per turn
+
+
+def test_an_episode_calls_its_own_instance_of_a_per_episode_tool_which_ends_with_it(tokenizer, toolbox):
+    engine = ScriptedEngine(tokenizer, [call_text("x", name="counter"), call_text("x", name="counter"), " done"])
+    prompts = [tokenizer.encode("Q: a"), tokenizer.encode("Q: b")]
+    kwargs = [{"counter": {"create_kwargs": {"start": 100 * group}}} for group in range(2)]
+    rollouts = runner(tokenizer, toolbox, max_tokens=400).run(prompts, 2, [1, 2], kwargs, engine)
+    for rollout in rollouts:
+        read = tokenizer.decode([t for t, m in zip(rollout.completion_ids, rollout.model_mask) if not m])
+        start = 100 * rollout.group
+        assert f"count {start + 1}" in read and f"count {start + 2}" in read  # one instance, its own state
+        assert rollout.episode.tool_calls == {"counter": 2} and not rollout.episode.tool_failures
+        assert rollout.episode.tool_reward == pytest.approx(2 * 0.125 + 0.5)  # each step, then calc_reward once
+    # every instance was released at its episode's end
+    [stale], _ = toolbox.run([ToolCall("counter", "{}", {}, "anything", may_create=False)])
+    assert stale.failure == "lost"
 
 
 CHATML = (
