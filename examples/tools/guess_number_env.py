@@ -3,6 +3,8 @@
 episode is a step of the same game. Each guess is answered "higher", "lower" or "correct"; the correct guess ends
 the game with reward 1, less 0.1 for every earlier guess.
 
+guess_number_server.py serves the same game from an OpenEnv server (guess_number_remote.yaml).
+
 The secret comes from the row's `extra_info.tools_kwargs.guess.create_kwargs` (`target`, or `seed` to draw it),
 between `low` and `high` (default 1 and 100).
 """
@@ -27,6 +29,8 @@ class GuessObservation(Observation):
 
 class GuessNumberEnvironment(Environment[GuessAction, GuessObservation, State]):
     """Guess the secret integer: each guess is answered higher, lower or correct."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True  # each session is an instance of its own (guess_number_server.py)
 
     def __init__(self):
         super().__init__()

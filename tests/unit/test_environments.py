@@ -5,10 +5,15 @@ real packages; nothing is faked."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml as yaml_module
+from conftest import free_port
 
 from rewards.reasoning_gym import compute_score
 from rl_tpu.config.reasoning_gym import ReasoningGymConfig
@@ -112,12 +117,44 @@ def test_an_openenv_environment_is_a_tool_whose_parameters_are_its_action_fields
     assert results[2].failure is None and results[2].text.startswith("error: unsupported operator")
 
 
-def guess(value: int, episode: str, target: int | None = None) -> ToolCall:
+@pytest.fixture(scope="module")
+def remote_guess_toolbox(tmp_path_factory):
+    """The guess-the-number game on a real OpenEnv server (examples/tools/guess_number_server.py) on loopback."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "guess_number_server.py", "--port", str(port)], cwd=REPO / "examples/tools"
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"the OpenEnv server did not answer on port {port} within 60 s (exit {server.poll()})")
+            time.sleep(0.2)
+    [entry] = yaml_module.safe_load((REPO / "examples/tools/guess_number_remote.yaml").read_text())["tools"]
+    entry["config"]["base_url"] = f"http://127.0.0.1:{port}"
+    folder = tmp_path_factory.mktemp("remote")
+    (folder / "tools.yaml").write_text(json.dumps({"tools": [entry]}))
+    box = ToolBox(ToolSettings(str(folder / "tools.yaml"), None, 2, 10.0, 2048, 64))
+    yield box
+    box.close()
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def guess(value: int | str, episode: str, target: int | None = None) -> ToolCall:
     return ToolCall("guess", json.dumps({"guess": value}), {"target": target}, episode, may_create=target is not None)
 
 
-def test_an_openenv_environment_with_lifetime_episode_is_one_game_across_the_episodes_calls(openenv_toolbox):
-    assert openenv_toolbox.per_episode == {"guess"}
+@pytest.mark.parametrize("where", ["in_the_worker", "on_a_server"])
+def test_an_openenv_environment_with_lifetime_episode_is_one_game_across_the_episodes_calls(where, request):
+    """The same game in the tool worker (guess_number.yaml) and on an OpenEnv server (guess_number_remote.yaml):
+    the same schema, answers, rewards and refusals."""
+    openenv_toolbox = request.getfixturevalue("openenv_toolbox" if where == "in_the_worker" else "remote_guess_toolbox")
+    assert "guess" in openenv_toolbox.per_episode
     schema = openenv_toolbox.schemas["guess"]["function"]
     assert schema["parameters"]["required"] == ["guess"] and schema["parameters"]["properties"]["guess"]["type"]
     opened, _ = openenv_toolbox.run([guess(50, "a", target=70), guess(50, "b", target=20)])
@@ -130,14 +167,28 @@ def test_an_openenv_environment_with_lifetime_episode_is_one_game_across_the_epi
         {"hint": "correct", "guesses": 3},
     ]
     assert [r.reward for r in played] == [0.0, pytest.approx(0.9), pytest.approx(0.8)]  # the step rewards
+    # arguments the action refuses (checked here, or by the server): one line the model reads
+    [refused], _ = openenv_toolbox.run([guess("many", "c", target=5)])
+    assert refused.failure == "exception" and "guess" in refused.text and "\n" not in refused.text
     [over], _ = openenv_toolbox.run([guess(70, "a")])
     assert over.failure == "exception" and over.text.endswith(
         "guess: this episode's environment is done; it takes no more actions"
     )
-    ended, _ = openenv_toolbox.run([], [ToolRelease("guess", "a"), ToolRelease("guess", "b")])
-    assert [r.failure for r in ended] == [None, None]
+    ended, _ = openenv_toolbox.run([], [ToolRelease("guess", episode) for episode in "abc"])
+    assert [r.failure for r in ended] == [None, None, None]
     [gone], _ = openenv_toolbox.run([guess(1, "a")])
     assert gone.failure == "lost"  # closed with its episode
+
+
+def test_an_openenv_tool_is_given_a_class_or_a_server_and_a_server_it_cannot_read_is_named():
+    from rl_tpu.episodes.openenv_tool import OpenEnvTool
+
+    with pytest.raises(ValueError, match="set one of config.environment .* and config.base_url"):
+        OpenEnvTool({"type": "native"})
+    with pytest.raises(ValueError, match="base_url='http://127.0.0.1:9': config.name is required"):
+        OpenEnvTool({"type": "native", "base_url": "http://127.0.0.1:9"})
+    with pytest.raises(ValueError, match="base_url='http://127.0.0.1:9': no action schema at its /schema"):
+        OpenEnvTool({"type": "native", "base_url": "http://127.0.0.1:9", "name": "guess", "timeout_s": 2})
 
 
 def test_the_reasoning_gym_recipe_takes_any_task_with_one_override():
