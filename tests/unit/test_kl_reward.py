@@ -122,8 +122,7 @@ def test_the_trainers_token_kl_is_zero_before_an_update_and_the_estimators_after
             token_logprobs(initial, t, batch.temperature)[0],
             "low_var_kl",
         )
+    # KL values up to 10 (the clamp): relative; CPU kernels differ by up to 2.1e-6 of a KL (1.3e-6 on an AMX host)
     for row, kls in enumerate(after):
-        assert kls == pytest.approx(
-            expected[row, : len(kls)].tolist(), rel=1e-5, abs=1e-6
-        )  # KL values near 10: relative
+        assert kls == pytest.approx(expected[row, : len(kls)].tolist(), rel=2e-5, abs=1e-6)
     assert max(kl for row in after for kl in row) > 1e-4
