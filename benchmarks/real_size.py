@@ -48,6 +48,9 @@ QWEN_SHAPES = {
     "0.5b": dict(
         hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
     ),
+    "1.5b": dict(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960
+    ),
     "3b": dict(
         hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, intermediate_size=11008
     ),

@@ -278,8 +278,9 @@ def published_items(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> 
 def engine_phases(
     cfg: RunConfig, shape: ModelShape, kind: str, layout: str, capacity: int | None
 ) -> dict[str, list[Item]]:
-    """An engine's items generating, and asleep (a colocated CUDA engine while the trainer trains); with tensor
-    parallelism, one of its worker processes' (each device holds a shard of the weights and a cache of its own)."""
+    """An engine's items generating, and asleep (a colocated CUDA engine while the trainer trains), on CPU loading
+    too; with tensor parallelism, one of its worker processes' (each device holds a shard of the weights and a
+    cache of its own)."""
     s, dtype = cfg.sampler, cfg.model.torch_dtype
     process = Item("process: vLLM", CPU_PROCESS["engine"] if kind == "cpu" else DEVICE_PROCESS)
     weights = dtype.itemsize * shape.parameters
@@ -290,6 +291,19 @@ def engine_phases(
         weights, what = weights // s.tensor_parallel_size, f"{what}, a 1/{s.tensor_parallel_size} shard"
     spread = ("sampler.tensor_parallel_size",) if kind != "cpu" else ()  # on CPU the shards share the host
     items = [process, Item(what, weights, ("model.dtype", *spread))]
+    phases = {"generating": items, "asleep": [process]}
+    if kind == "cpu":
+        # measured at 0.5B and 1.5B (docs/performance.md#the-memory-plan): vLLM's CPU backend keeps a packed copy of
+        # the embedding beside it, and while loading (before packing) the weight files' mapped pages count besides
+        # the weights read from them (files in the served dtype; one in another maps its own size)
+        tp = s.tensor_parallel_size
+        items.append(Item("the embedding's packed copy", dtype.itemsize * shape.embedding // tp, ("model.dtype",)))
+        loaded = dtype.itemsize * shape.parameters // tp
+        phases["loading"] = [
+            process,
+            Item(f"weights, {value_of(cfg.model.dtype)}, as loaded", loaded, ("model.dtype",)),
+            Item("weight files, mapped while loading", loaded, ("model.dtype",)),
+        ]
     if s.kv_cache_gb is not None or kind == "cpu":
         items.append(Item("KV cache", int((s.kv_cache_gb or CPU_KV_CACHE_GB) * GiB), ("sampler.kv_cache_gb",)))
     elif capacity is not None:  # vLLM takes its share of the device and keeps for its cache what its weights leave
@@ -297,7 +311,7 @@ def engine_phases(
         rest = max(0, int(share * capacity) - process.bytes - weights)
         keys = ("sampler.gpu_memory_utilization", "sampler.kv_cache_gb")
         items.append(Item(f"KV cache and buffers: the rest of {share:g} of the device", rest, keys))
-    return {"generating": items, "asleep": [process]}
+    return phases
 
 
 def at_peak(name: str, phases: dict[str, list[Item]], count: int = 1, among: tuple[str, ...] = ()) -> Process:

@@ -22,6 +22,8 @@ QWEN_05B = {  # Qwen2.5-0.5B's config.json sizes, as benchmarks/real_size.py bui
     "vocab_size": 151_936,
     "tie_word_embeddings": True,
 }
+QWEN_15B = {**QWEN_05B, "hidden_size": 1536, "num_hidden_layers": 28, "intermediate_size": 8960}
+QWEN_15B |= {"num_attention_heads": 12}
 QWEN_3B = {**QWEN_05B, "hidden_size": 2048, "num_hidden_layers": 36, "intermediate_size": 11008}
 QWEN_3B |= {"num_attention_heads": 16}
 CPU_TOLERANCE = 0.15  # a trainer rank's peak resident memory on CPU: the four recorded runs came to -6%..+10%
@@ -74,6 +76,27 @@ def test_each_world_sizes_ranks_land_near_the_measured_cpu_peaks(world_size):
     run = next(r for r in record("real_size.json")["runs"] if r["world_size"] == world_size)
     measured = max(run["trainer_rank_peak_rss_mb"]) / 1024
     assert cpu_peak(real_size_run(world_size, 128)) == pytest.approx(measured, rel=CPU_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("config", "size", "low", "high"), [(QWEN_05B, "0.5b", 0.70, 1.0), (QWEN_15B, "1.5b", 0.9, 1.1)]
+)
+def test_a_cpu_engine_lands_near_its_measured_peak(config, size, low, high):
+    """benchmarks/engine_memory.py: vLLM's CPU engine (rl_tpu's Sampler) at two sizes. At 1.5B the peak is the
+    loading (weights beside their mapped files); at 0.5B serving, where the plan leaves out glibc's retention and
+    most of the benchmark tokenizer's 151k added tokens (docs/performance.md#the-memory-plan)."""
+    run = record("engine_memory.json")["runs"][size]
+    cfg = RunConfig()
+    cfg.device, cfg.model.dtype, cfg.sampler.kv_cache_gb = (
+        "cpu",
+        "bfloat16",
+        record("engine_memory.json")["args"]["kv_cache_gb"],
+    )
+    phases = memory_plan.engine_phases(
+        cfg, ModelShape.from_config(config, run["parameters"]), "cpu", "disaggregated", None
+    )
+    peak = max(sum(item.bytes for item in items) for items in phases.values()) / GiB
+    assert low <= peak / run["peak_rss_gib"] <= high
 
 
 @pytest.mark.parametrize(
