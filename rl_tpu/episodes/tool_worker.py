@@ -15,7 +15,8 @@ environment: a game, a shell, a database): its episode's first call creates it, 
 the episode succeeded, fails as ``lost`` (the worker was replaced after a crash or timeout: its state is gone).
 
 It speaks `rl_tpu.cluster.worker_pool`'s protocol (bounded memory and CPU seconds, death with its parent): its
-setup is the `ToolSources`, its ready detail the tools' OpenAI schemas by name, and it answers call by call.
+setup is the `ToolSources`, its ready detail a `ToolsReady` (the tools' OpenAI schemas by name, and which keep an
+instance per episode), and it answers item by item.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 import numbers
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Awaitable, Iterator
 
 from rl_tpu.cluster.worker_pool import serve
 
@@ -145,19 +146,15 @@ async def _run_episode_tool(worker: ToolWorker, tool: Any, call: ToolCall, argum
     return await _execute(tool, worker.instances[key], call.name, arguments)
 
 
-async def release(worker: ToolWorker, end: ToolRelease) -> tuple:
+async def _release(worker: ToolWorker, end: ToolRelease) -> tuple[str, float]:
     """An episode's instance: its `calc_reward`, then released. One this worker does not hold (lost with a
     replaced worker, or never created) has nothing to release."""
     instance = worker.instances.pop((end.episode, end.name), None)
     if instance is None:
-        return ("ok", "", 0.0)
+        return "", 0.0
     tool = worker.tools[end.name]
     try:
-        return ("ok", "", _reward(await tool.calc_reward(instance), f"tool {end.name!r} calc_reward"))
-    except InvalidResult as err:
-        return ("fail", "invalid", str(err))
-    except Exception as err:
-        return ("fail", "exception", "".join(traceback.format_exception(err)))
+        return "", _reward(await tool.calc_reward(instance), f"tool {end.name!r} calc_reward")
     finally:
         await tool.release(instance)
 
@@ -182,13 +179,17 @@ async def run_call(worker: ToolWorker, call: ToolCall) -> tuple:
             raise TypeError(f"arguments must be a JSON object, got {type(arguments).__name__}")
     except (json.JSONDecodeError, TypeError) as err:
         return ("fail", "bad_arguments", f"Invalid JSON in arguments for {call.name!r}: {err}")
+    if isinstance(tool, FunctionTool):
+        return await contained(_run_function_tool(tool, call, arguments))
+    if call.episode is not None:
+        return await contained(_run_episode_tool(worker, tool, call, arguments))
+    return await contained(_run_base_tool(tool, call, arguments))
+
+
+async def contained(work: Awaitable[tuple[str, float]]) -> tuple:
+    """The outcome message of a tool's work: its text and reward, or what failed."""
     try:
-        if isinstance(tool, FunctionTool):
-            text, reward = await _run_function_tool(tool, call, arguments)
-        elif call.episode is not None:
-            text, reward = await _run_episode_tool(worker, tool, call, arguments)
-        else:
-            text, reward = await _run_base_tool(tool, call, arguments)
+        text, reward = await work
     except InvalidResult as err:
         return ("fail", "invalid", str(err))
     except LostInstance as err:
@@ -206,7 +207,7 @@ def load(sources: ToolSources) -> tuple[ToolWorker, ToolsReady]:
 
 def answer(worker: ToolWorker, positions: list[int], items: list, loop) -> Iterator[list]:
     for position, item in zip(positions, items):
-        run = release(worker, item) if isinstance(item, ToolRelease) else run_call(worker, item)
+        run = contained(_release(worker, item)) if isinstance(item, ToolRelease) else run_call(worker, item)
         yield [(position, loop.run_until_complete(run))]
 
 

@@ -1,6 +1,7 @@
 """Environment libraries: reasoning-gym tasks as a data source scored by their own scorer, and an OpenEnv
-`Environment` as a verl tool (OpenEnvTool) run by the tool workers. reasoning-gym, openenv-core and verl are the
-real packages; nothing is faked."""
+`Environment` as a verl tool (OpenEnvTool) run by the tool workers, per call or kept for an episode, in the worker
+or on an OpenEnv server on loopback. reasoning-gym, openenv-core and verl are the real packages; nothing is
+faked."""
 
 from __future__ import annotations
 
