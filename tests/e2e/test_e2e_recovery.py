@@ -9,6 +9,7 @@ import signal
 import subprocess
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -143,10 +144,13 @@ def test_a_second_sigterm_while_a_reward_hangs_ends_the_driver_at_once_and_no_wo
     assert workers
     process.send_signal(signal.SIGTERM)
     time.sleep(1)
-    second = time.monotonic()
+    second, out = time.monotonic(), Path(f"{run_dir}.out")
     process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
-    assert time.monotonic() - second < 10, open(f"{run_dir}.out").read()[-3000:]
-    assert "second SIGTERM: stopping without saving" in open(f"{run_dir}.out").read()
+    # the driver's own stop (actors shut down, reward workers killed) ends with this line: seconds, not timeout_s
+    while "second SIGTERM: stopping without saving" not in out.read_text():
+        assert time.monotonic() - second < 30, out.read_text()[-3000:]
+        time.sleep(0.1)
+    # then Ray's teardown of its own processes at exit (a second each, more on a loaded host: 33 s once in CI)
+    process.wait(timeout=90)
     _, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive, [p.pid for p in alive]
