@@ -46,7 +46,9 @@ def pad_batch(
     `buckets` too, `prompt_rows` repeats its last row up to a power of two (at most the row count), so that
     the prompts' forward has a few batch sizes only (the repeats' outputs are not used)."""
     prompt_len = bucketed(max(map(len, batch.prompt_ids)), buckets)
-    resp_len = bucketed(max(1, max(map(len, batch.completion_ids))), buckets)
+    # shared prompts take two forwards, the prompts' and the completions': at least two columns, so that a micro-batch
+    # of one-token completions runs both too (FSDP ranks pair their forwards' collectives: one fewer deadlocks them)
+    resp_len = bucketed(max(2 if share_prompts else 1, *map(len, batch.completion_ids)), buckets)
     rows = len(batch)
     # one vectorised pass: every row's tokens flattened, then scattered to their (row, column) places
     n_p = torch.tensor([len(p) for p in batch.prompt_ids])
@@ -180,7 +182,8 @@ def _shared_prompt_logits(model: torch.nn.Module, t: dict[str, torch.Tensor]) ->
     The prompts' forward keeps each layer's keys and values (after RoPE); indexing them by `prompt_index`
     gives every completion its prompt's, through which the gradient flows back to the prompt, and the
     completions' forward attends to them as a generation step would. The last prompt position's logits
-    predict completion token 0 and completion token j's predict token j + 1, so the last column is not run."""
+    predict completion token 0 and completion token j's predict token j + 1, so the last column is not run
+    (`pad_batch` gives shared prompts two columns at least: every micro-batch runs both forwards)."""
     resp_len = t["targets"].shape[1]
     prompt_len = t["input_ids"].shape[1] - resp_len
     rows, index = t["prompt_rows"], t["prompt_index"]
@@ -194,8 +197,6 @@ def _shared_prompt_logits(model: torch.nn.Module, t: dict[str, torch.Tensor]) ->
         logits_to_keep=1,
     )
     first = prompts.logits[index]
-    if resp_len == 1:
-        return first
     prefix = Cache(layers=[_PromptPrefix(layer.keys[index], layer.values[index]) for layer in captured.layers])
     rest = model(
         input_ids=t["input_ids"][:, prompt_len:-1],
