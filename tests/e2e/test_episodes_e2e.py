@@ -74,10 +74,12 @@ def test_a_sync_run_with_a_deterministic_tool_resumes_exactly(episode_run):
     assert_same_steps(trained, episode_run / "run", keys=("episode/env_tokens_mean", "episode/tool_calls_mean"))
 
 
-def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_runs(episode_run):
+def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_trains_a_lora_policy(episode_run):
     """reasoning-gym's `basic_arithmetic` in place of data files, scored by its own scorer; the calculator an OpenEnv
     `Environment` behind rl_tpu's OpenEnvTool, named in a verl tools YAML, one environment per episode (`lifetime:
-    episode`: created at its first call, released at its end, its calls routed to the worker holding it)."""
+    episode`: created at its first call, released at its end, its calls routed to the worker holding it). The
+    policy is a LoRA adapter (a large learning rate, so that each version differs): after every adapter-only sync
+    the engine serves the episodes' model tokens with the trainer's logprobs."""
     run = episode_run / "reasoning_gym"
     tools = yaml.safe_load((REPO / "examples/tools/openenv_calculator.yaml").read_text())
     tools["tools"][0]["config"]["lifetime"] = "episode"
@@ -99,10 +101,14 @@ def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_runs(episo
         "sampler.n=8",
         "episode.function_tool_path=null",  # the recipe's calc function: the OpenEnv tool has its name
         f"trainer.rollout_data_dir={run / 'rollouts'}",
+        "actor.lora.lora_rank=8",
+        "algorithm.lr=1e-2",
         tool=f"episode.tools_config_file={tools_file}",
     )
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows if "actor/loss" in r] == [1, 2]
+    assert all(r["actor/logprob_diff"] < 1e-5 for r in rows if "actor/loss" in r)  # the served adapter's logprobs
+    assert (run / "export" / "adapter_config.json").is_file()  # the export is the adapter
     assert sum(r.get("episode/tool/calc/calls", 0) for r in rows) > 0, "the OpenEnv calculator was never called"
     assert all(r.get("episode/tool/calc/failures", 0) == 0 for r in rows)  # none lost, none refused
     dumped = [json.loads(line) for line in (run / "rollouts" / "1.jsonl").read_text().splitlines()]
