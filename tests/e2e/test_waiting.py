@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 
 import pytest
@@ -50,6 +52,24 @@ def test_a_silent_actor_is_named_after_the_deadline(actors, tmp_path):
         )
     assert time.monotonic() - started < 4
     assert str(err.value) == (f"generate: no answer from sampler_0 within 1 s (see {tmp_path / 'sampler_0.log'})")
+
+
+def test_a_long_wait_names_who_is_awaited_long_before_its_deadline(actors, tmp_path, caplog):
+    """A hang (ranks whose collectives disagree) waits out the call's deadline, an hour by default: on the way it
+    is logged when it reaches `notice_after_s`, then at each doubling, naming only those that have not answered;
+    a wait of a kind that took longer before is let run NOTICE_FACTOR times that long first."""
+    calls = [("trainer_0", actors[0].nap.remote(0.0)), ("trainer_1", actors[1].nap.remote(2.5))]
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.cluster.calls"):
+        gather(calls, "train step 7", timeout_s=60, log_dir=tmp_path, notice_after_s=0.5)
+    notices = [r.getMessage() for r in caplog.records]
+    assert len(notices) in (2, 3), notices  # at 0.5, 1 and 2 s; the last may come with the answer on a slow host
+    assert notices[0].startswith(f"train step 7: still waiting for trainer_1 (see {tmp_path / 'trainer_1.log'}) after")
+    assert all("trainer_0" not in n for n in notices)
+    assert 50 <= int(re.search(r"its deadline is in (\d+) s", notices[0])[1]) <= 60
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.cluster.calls"):  # "train step 8" is the same kind
+        gather([("trainer_1", actors[1].nap.remote(1.0))], "train step 8", timeout_s=60, notice_after_s=0.5)
+    assert caplog.records == []  # within 5 x the 2.5 s the kind took before
 
 
 def test_a_failure_is_reported_at_once_with_the_actor_and_its_traceback(actors):
