@@ -25,6 +25,14 @@ def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
     return [batch.shard(i, -(-len(batch) // size)) for i in range(-(-len(batch) // size))]
 
 
+def rank_share(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
+    """A rank's rows. Unequal shares would run unequal numbers of forwards, whose FSDP collectives pair across the
+    ranks: they would wait on each other for good, so such a batch is refused (by every rank alike)."""
+    if len(batch) % world_size:
+        raise ValueError(f"a batch of {len(batch)} rows does not divide evenly over {world_size} ranks")
+    return batch.shard(rank, world_size)
+
+
 @dataclass
 class UpdateTotals:
     """A step's sums over this rank's micro-batches, then over every rank: what the step's metrics divide.
@@ -170,7 +178,7 @@ class PolicyUpdate:
     def _prepare(self, mini: TrainBatch, single_update: bool) -> list[tuple[TrainBatch, dict[str, torch.Tensor]]]:
         """This rank's micro-batches of a mini-batch, each with its tensors, padded, with the logprobs the updates
         compare against: the reference model's, and the old policy's (None: the one update's own forward)."""
-        local = mini.shard(self.rank, self.world_size)
+        local = rank_share(mini, self.rank, self.world_size)
         if self.cfg.trainer.sort_by_length:
             local = local.sorted_by_length()
         temperature = mini.temperature
@@ -214,7 +222,7 @@ class PolicyUpdate:
         that sampled it (these weights, before the update, or the sampler's logprobs) and the reference model."""
         from verl.trainer.ppo.core_algos import kl_penalty
 
-        local = batch.shard(self.rank, self.world_size)
+        local = rank_share(batch, self.rank, self.world_size)
         rows = []
         for micro in micro_batches(local, self.cfg.trainer.micro_batch_size):
             t = self._padded(micro)

@@ -17,7 +17,7 @@ from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode, LossMode, P
 from rl_tpu.models.logprobs import pad_batch, token_logprobs
 from rl_tpu.models.tiny import build_model
 from rl_tpu.records import TrainBatch
-from rl_tpu.trainer.update import micro_batches
+from rl_tpu.trainer.update import micro_batches, rank_share
 
 
 def small_model() -> torch.nn.Module:
@@ -421,6 +421,15 @@ def test_rows_kept_for_the_gradient_split_evenly_over_ranks():
         assert [lengths[i] for i in extra] == [lengths[i] for i in others[: len(extra)]]
     none = dataclasses.replace(batch, advantages=[[0.0] * len(a) for a in batch.advantages])
     assert len(none.rows_with_signal(2)) == 2  # one row per rank: every rank still steps its optimizer
+
+
+def test_a_batch_that_would_give_ranks_unequal_shares_is_refused():
+    """Unequal shares would run unequal numbers of forwards, and FSDP's paired collectives would hang the step."""
+    batch = make_batch(seed=3, size=6)
+    halves = [rank_share(batch, rank, 2).completion_ids for rank in (0, 1)]
+    assert halves == [batch.completion_ids[:3], batch.completion_ids[3:]]
+    with pytest.raises(ValueError, match="a batch of 6 rows does not divide evenly over 4 ranks"):
+        rank_share(batch, 3, 4)
 
 
 def test_skipping_rows_is_refused_where_they_count():
