@@ -1,6 +1,7 @@
-"""Arithmetic reward: 1.0 iff the first integer of the answer equals the ground truth. The answer is the completion,
-or in an episode with tools what follows the last tool result (`</tool_response>`), tool calls left out: numbers
-in tool calls and results are not answers.
+"""Arithmetic reward: 1.0 iff the first integer of the answer equals the ground truth. The answer is the completion
+after its last tool result (`</tool_response>`), tool calls left out: numbers in tool calls and results are not
+answers. rl_tpu passes an episode's final model turn before any tool call already (docs/episodes.md); the rule
+still holds for a whole decoded episode, as verl's reward managers pass one.
 
 A verl-signature `compute_score`, usable unchanged as a verl custom reward function.
 """

@@ -29,6 +29,9 @@ class EpisodeStats:
     truncated: str | None = None  # "max_turns" or "max_tokens" when the episode was cut short, else None
     tool_s: float = 0.0  # seconds the episode's tool calls took (they run concurrently across episodes)
     tool_reward: float = 0.0  # the sum of the tools' `calc_reward` over the episode's calls
+    turn_starts: list[int] = field(default_factory=list)  # where each model turn starts in the completion ids
+    # where the final model turn's answer ends: before its first tool call (run, left unrun or cut), else its end
+    answer_end: int = 0
 
 
 @dataclass
@@ -56,10 +59,37 @@ class Rollout:
                 f"rollout has {len(self.completion_ids)} completion tokens but a model mask of {len(self.model_mask)}"
             )
 
+    def answer_ids(self) -> list[int]:
+        """What an outcome reward reads: the completion, or an episode's final model turn before its first tool
+        call; never the tools' results, the calls or the earlier turns (the model's answer is its last word)."""
+        if self.episode is None:
+            return self.completion_ids
+        final_turn = self.episode.turn_starts[-1] if self.episode.turn_starts else 0  # none: the prompt filled it
+        return self.completion_ids[final_turn : self.episode.answer_end]
+
+    def turn_spans(self) -> list[tuple[str, int, int]]:
+        """An episode's completion as (role, start, end) spans in order: each model turn ("model") and each stretch
+        of environment tokens between them ("environment")."""
+        mask = self.model_mask
+        cuts = sorted(
+            {0, len(mask), *self.episode.turn_starts, *(i for i in range(1, len(mask)) if mask[i] != mask[i - 1])}
+        )
+        return [("model" if mask[a] else "environment", a, b) for a, b in zip(cuts, cuts[1:])]
+
+    def model_tokens(self) -> int:
+        """Completion tokens the model sampled (an episode's tool results left out)."""
+        return len(self.completion_ids) if self.model_mask is None else sum(self.model_mask)
+
     @classmethod
     def from_dict(cls, fields: dict) -> Rollout:
         """The rollout `dataclasses.asdict` made `fields` of (JSON keeps every float exactly)."""
         episode = fields.get("episode")
+        if episode is not None and "turn_starts" not in episode:
+            raise ValueError(
+                "a saved episode has no turn_starts: it was recorded before episodes kept where their final turn "
+                "starts, so its answer cannot be told from its tool results; resume from a later checkpoint or "
+                "start the run again"
+            )
         return cls(**{**fields, "episode": EpisodeStats(**episode) if episode is not None else None})
 
 

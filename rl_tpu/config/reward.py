@@ -21,7 +21,8 @@ class CustomRewardConfig:
 @dataclass
 class OverlongBufferConfig:
     """DAPO's soft overlong punishment, by verl's keys: completions longer than sampler.response_length - len
-    lose up to penalty_factor, in proportion to how far into the buffer they reach."""
+    lose up to penalty_factor, in proportion to how far into the buffer they reach. An episode counts its model
+    tokens only, against episode.max_tokens."""
 
     enable: bool = False
     len: Optional[int] = None  # the buffer's length in tokens; None: a fifth of it (DAPO: 4096 of 20480)

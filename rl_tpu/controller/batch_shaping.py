@@ -5,7 +5,8 @@
   prompts are generated until the batch holds `data.train_batch_size` groups that vary.
 - The soft overlong penalty (`reward.overlong_buffer`): completions that reach into the last
   `len` tokens of `sampler.response_length` lose reward in proportion, as verl's DAPO reward
-  manager computes it.
+  manager computes it. An episode's length is its model tokens (tool results are not the
+  model's verbosity), against `episode.max_tokens`.
 - Overlong filtering (`algorithm.overlong_filter`): truncated completions stay in their group's
   statistics but are left out of the loss.
 """
@@ -81,7 +82,8 @@ def fill_with_varied_groups(
 
 def overlong_penalties(lengths: list[int], max_length: int, buffer: OverlongBufferConfig) -> list[float]:
     """DAPO's soft overlong punishment of each completion: 0 up to max_length - buffer.len, then falling
-    linearly to -penalty_factor at max_length (verl's DAPO reward manager)."""
+    linearly to -penalty_factor at max_length (verl's DAPO reward manager). `lengths`: the model's tokens
+    (`Rollout.model_tokens`)."""
     if not buffer.enable:
         return [0.0] * len(lengths)
     size = buffer_length(buffer, max_length)

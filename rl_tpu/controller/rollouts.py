@@ -40,13 +40,34 @@ def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig, bat
 
 
 def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Grading:
-    """Start grading the decoded completions; the result is `Grades`, in rollout order."""
+    """Start grading the rollouts' answers (`Rollout.answer_ids`, decoded); the result is `Grades`, in rollout order.
+
+    An episode's reward reads its final model turn before any tool call as `solution_str`, so that no number or
+    tag a tool wrote can score; a plugin finds the whole episode in `extra_info["episode"]` (`episode_view`)."""
     samples = []
     for rollout in rollouts:
         example = prompts[rollout.group]
-        text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
-        samples.append(Sample(example.data_source, text, example.ground_truth, example.extra_info))
+        text = tokenizer.decode(rollout.answer_ids(), skip_special_tokens=True)
+        extra_info = example.extra_info
+        if rollout.episode is not None:
+            extra_info = {**extra_info, "episode": episode_view(rollout, tokenizer)}
+        samples.append(Sample(example.data_source, text, example.ground_truth, extra_info))
     return grader.submit(samples)
+
+
+def episode_view(rollout: Rollout, tokenizer) -> dict:
+    """An episode as a reward plugin reads it: the whole completion's text, its turns in order as {"role": "model"
+    or "environment" (tool results and the template's text around them), "text"}, and how it was cut short
+    (`truncated`: "max_turns", "max_tokens" or None)."""
+    ids = rollout.completion_ids
+    return {
+        "text": tokenizer.decode(ids, skip_special_tokens=True),
+        "turns": [
+            {"role": role, "text": tokenizer.decode(ids[start:end], skip_special_tokens=True)}
+            for role, start, end in rollout.turn_spans()
+        ],
+        "truncated": rollout.episode.truncated,
+    }
 
 
 def dump_rows(batch: GradedBatch, tokenizer) -> list[dict]:
@@ -59,6 +80,7 @@ def dump_rows(batch: GradedBatch, tokenizer) -> list[dict]:
                 "index": example.row,
                 "input": tokenizer.decode(rollout.prompt_ids, skip_special_tokens=True),
                 "output": tokenizer.decode(rollout.completion_ids, skip_special_tokens=True),
+                "answer": tokenizer.decode(rollout.answer_ids(), skip_special_tokens=True),
                 "gts": example.ground_truth,
                 "score": score,
                 "weight_version": rollout.weight_version,
@@ -223,7 +245,7 @@ def next_graded(
     t1 = time.perf_counter()
     grades = with_tool_rewards(grade(rollouts, prompts, tokenizer, grader).result(), rollouts, cfg.episode.reward)
     penalties = batch_shaping.overlong_penalties(
-        [len(r.completion_ids) for r in rollouts], cfg.completion_tokens, cfg.reward.overlong_buffer
+        [r.model_tokens() for r in rollouts], cfg.completion_tokens, cfg.reward.overlong_buffer
     )
     grades = dataclasses.replace(grades, scores=[s + p for s, p in zip(grades.scores, penalties)])
     return GradedBatch(prompts, rollouts, grades), t1 - t0, time.perf_counter() - t1, pending.shares()

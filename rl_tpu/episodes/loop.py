@@ -4,7 +4,9 @@ together, and each episode's environment tokens are appended to the ids the engi
 An episode ends when its model turn calls no tool, after `max_turns` model turns (a turn that still calls tools
 then is cut: truncated "max_turns"), or when its tokens after the prompt reach `max_tokens` (truncated
 "max_tokens"; a tool result that would not leave room for one more model token is not appended, so an episode
-always ends on the model's tokens, where the outcome reward sits).
+always ends on the model's tokens, where the outcome reward sits). The loop records where each model turn starts
+and where the final one's answer ends, before its first tool call (`EpisodeStats.turn_starts`, `answer_end`): the
+text an outcome reward reads.
 
 A tool with an instance per episode (`lifetime: episode`, a stateful environment) is created by the episode's
 first call of it and released when the episode ends, with the next turn's calls (the rest when the batch ends).
@@ -65,7 +67,7 @@ class ToolCallParser:
             raise ValueError(f"episode.tool_parser={name!r}: allowed values are {', '.join(known)}")
         self.parser = ToolParser.get_tool_parser(name, tokenizer)
         self.tokenizer = tokenizer
-        self.start_marker = getattr(self.parser, "tool_call_start_token", None)
+        self.start_marker = call_start_marker(name, self.parser)
         self.loop = asyncio.new_event_loop()
 
     @property
@@ -75,8 +77,38 @@ class ToolCallParser:
     def parse(self, ids: list[int]) -> tuple[list[tuple[str, str]], int]:
         """The turn's calls as (name, JSON arguments), and how many call blocks could not be read."""
         _, calls = self.loop.run_until_complete(self.parser.extract_tool_calls(ids))
-        blocks = self.tokenizer.decode(ids).count(self.start_marker) if self.start_marker else len(calls)
+        blocks = self.tokenizer.decode(ids).count(self.start_marker)
         return [(c.name, c.arguments) for c in calls], max(0, blocks - len(calls))
+
+    def answer_length(self, ids: list[int]) -> int:
+        """How many of a turn's ids come before its first call's start marker (all of them without one): a call,
+        run or not, or cut by a limit, is not an answer, so an outcome reward reads the text before it at most."""
+        at = self.tokenizer.decode(ids).find(self.start_marker)
+        if at < 0:
+            return len(ids)
+        low, high = 0, len(ids)  # the longest prefix whose text stops before the marker
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if len(self.tokenizer.decode(ids[:middle])) <= at else (low, middle - 1)
+        return low
+
+
+# where a call starts, for the parsers that name it other than `tool_call_start_token`
+_START_MARKER_FIELDS = ("tool_call_start_token", "tool_calls_section_start_token", "tool_calls_start_token")
+_START_MARKERS = {"gpt-oss": " to=functions."}  # harmony's recipient, in the header of a call's message
+
+
+def call_start_marker(name: str, parser: Any) -> str:
+    """The text that starts a tool call of verl's parser `name`: it counts the call blocks a turn holds and cuts a
+    turn's answer before its first call. A parser whose calls rl_tpu cannot find is refused."""
+    found = [getattr(parser, f) for f in _START_MARKER_FIELDS if getattr(parser, f, None)]
+    marker = _START_MARKERS.get(name) or next(iter(found), None)
+    if marker is None:
+        raise ValueError(
+            f"episode.tool_parser={name!r}: rl_tpu does not know where its tool calls start, so it could not keep "
+            "them out of the text a reward reads; use a parser with a start marker (hermes, qwen3_coder, glm, ...)"
+        )
+    return marker
 
 
 @dataclass
@@ -101,7 +133,10 @@ class Episode:
     def context(self) -> list[int]:
         return self.prompt_ids + self.ids
 
-    def add_model_turn(self, turn: TurnOutput) -> None:
+    def add_model_turn(self, turn: TurnOutput, answer_length: int) -> None:
+        """`answer_length`: the turn's ids before its first tool call (`ToolCallParser.answer_length`)."""
+        self.stats.turn_starts.append(len(self.ids))
+        self.stats.answer_end = len(self.ids) + answer_length
         self.ids += turn.ids
         self.logprobs += turn.logprobs
         self.mask += [1] * len(turn.ids)
@@ -180,7 +215,7 @@ class EpisodeRunner:
             )
         calling = []
         for episode, turn in zip(asking, generate(requests) if requests else [], strict=True):
-            episode.add_model_turn(turn)
+            episode.add_model_turn(turn, self.parser.answer_length(turn.ids))
             calls, malformed = self.parser.parse(turn.ids)
             episode.stats.malformed_calls += malformed + max(0, len(calls) - limits.max_parallel_calls)
             episode.pending_calls = calls[: limits.max_parallel_calls]

@@ -1,6 +1,7 @@
 """`trainer.rollout_data_dir`: what each step trained on, one JSON Lines file per step, `<step>.jsonl`, with
-verl's rollout-dump fields (`input`, `output`, `gts`, `score`, `step`) and two of ours: `index`, the prompt's row in
-the training file, and `weight_version`, the weights that sampled the completion.
+verl's rollout-dump fields (`input`, `output`, `gts`, `score`, `step`) and three of ours: `index`, the prompt's row in
+the training file, `weight_version`, the weights that sampled the completion, and `answer`, the text the rewards read
+(the completion, or an episode's final turn before any tool call).
 
 A file is written whole or not at all (renamed into place); a step trained again after a crash overwrites its file,
 so the folder holds each step once.
