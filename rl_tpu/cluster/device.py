@@ -6,7 +6,10 @@ imported when `device=tpu` is asked for, and never at import time of this module
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
+from typing import Any, ContextManager
 
 import torch
 
@@ -79,6 +82,39 @@ class Device:
         """Hand the memory the caching allocator keeps back to the device (for an engine that shares it)."""
         if self.kind == "cuda":
             torch.cuda.empty_cache()
+
+    def new_stream(self) -> Any:
+        """A stream of its own on this device (CUDA), for work that must not hold up the work queued on the default
+        stream (a broadcast to a peer that may be dead); None where work runs as it is called (CPU)."""
+        return torch.cuda.Stream(self.local_index) if self.kind == "cuda" else None
+
+    def on_stream(self, stream: Any, after: Any = None) -> ContextManager:
+        """Make `stream` (`new_stream`'s) this thread's current stream, its work queued after the event `after`
+        (`mark`'s, from another thread: what the work reads was made there)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        if after is not None:
+            stream.wait_event(after)
+        return torch.cuda.stream(stream)
+
+    def mark(self) -> Any:
+        """An event on this thread's current stream, done once the work queued before it is; None where work is
+        done as it is called (CPU)."""
+        if self.kind != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    @staticmethod
+    def wait_for(event: Any, deadline: float, poll_s: float = 0.01) -> bool:
+        """Whether `event` (`mark`'s) is done by `deadline` (time.monotonic()): polled, never a blocking wait on the
+        device, which work that never completes (a broadcast to a dead peer) would hold forever."""
+        while event is not None and not event.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
 
 
 def _import_torch_tpu() -> None:

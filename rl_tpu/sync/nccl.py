@@ -24,10 +24,17 @@ through the worker's engine's own `update_weights` with the engine's target set 
 (`set_weight_update_target`). Loading them, and the prefix cache reset after, are the engine's as for every
 transport. vLLM's trainer engine drives the engines through a client; here Ray does, so the client does nothing.
 
-A dead peer. An NCCL broadcast has no deadline. Rank 0 waits `timeout` for a bundle to reach the engines, then
-aborts the group (ncclCommAbort; a rendezvous still waiting ends at vLLM's store timeout) and raises, naming the
-engines it waited for; an engine's wait is bounded by the controller's deadline on the call, which names the
-engine. The group cannot take a restarted engine back: a lost engine ends the run, as with `collective`.
+A dead peer. An NCCL broadcast has no deadline, and on a GPU it is only enqueued: vLLM's `broadcast` returns at
+once, and a broadcast to a dead peer never completes. So the sender thread broadcasts on a stream of its own (a
+stuck broadcast on the default stream would hold up every kernel the trainer queues after it, the trainer's next
+step stalling in its first wait on the device), after an event marking the buckets gathered, and marks the
+broadcasts' end with an event. Rank 0 waits up to `timeout` from the flush for the send to return and then for that
+event (polled: `Device.wait_for`), then aborts the group and raises, naming the engines it waited for and where the
+group met. The abort is vLLM's: its trainer engine's `shutdown` destroys its PyNcclCommunicator, which calls
+`ncclCommAbort` (in a thread it waits 5 s for), so the broadcast still waiting returns; a rendezvous still waiting
+ends at vLLM's store timeout. An engine's wait is bounded by the controller's deadline on the call, which names the
+engine. The group cannot take a restarted engine back: a lost engine ends the run, as with `collective`. Rank 0
+keeps the bundle in flight (its buckets are read by the broadcast until the event) and no other.
 """
 
 from __future__ import annotations
@@ -99,16 +106,22 @@ class NcclTransport(Transport):
 
     name = "nccl"
     on_device = True
+    copies = True  # each engine receives every bucket into a buffer of its own
     timeout = timedelta(minutes=5)  # for a bundle to reach every engine, counted from its flush
     _engines: dict[int, "_Engine"] = {}  # receiver index -> its vLLM engine, in the sampler's process
 
-    def __init__(self, host: str = "127.0.0.1", receivers: int = 1):
-        # `host`: the sender's node address, where the engines meet it
-        self.host, self.receivers = host, receivers
+    def __init__(self, host: str, receivers: int, device: Any):
+        # `host`: the sender's node address, where the engines meet it; `device`: rank 0's `cluster.device.Device`
+        # (its streams and events: the only place that calls torch.cuda, a layer above this one)
+        if device is None:
+            raise ValueError("sync.transport=nccl: the transport needs trainer rank 0's Device")
+        self.host, self.receivers, self.device = host, receivers, device
         self.engine: NCCLTrainerWeightTransferEngine | None = None  # vLLM's, once the group is formed
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="nccl-weight-send")
         self.version, self.flats = 0, []  # the bundle being put
-        self.sending: tuple[int, float, Future] | None = None  # the bundle in flight: version, deadline, its send
+        # the bundle in flight: its version, deadline, send (done: an event marking its broadcasts' end) and source
+        self.sending: tuple[int, float, Future, BundleSource] | None = None
+        self.stream: Any = None  # the sender thread's own stream on rank 0's device, made at the first send
 
     @cached_property
     def init_info(self) -> NCCLTrainerInitInfo:
@@ -141,38 +154,52 @@ class NcclTransport(Transport):
     def flush(self) -> None:
         source, self.flats = BundleSource(self.version, self.flats), []
         deadline = time.monotonic() + self.timeout.total_seconds()
-        self.sending = (source.version, deadline, self.sender.submit(self._send, source))
+        gathered = self.device.mark()  # on this thread's stream, where the buckets were made
+        self.sending = (source.version, deadline, self.sender.submit(self._send, source, gathered), source)
 
-    def _send(self, source: BundleSource) -> None:
-        """On the sender thread: the group formed at the first bundle (it waits for every engine), then the bundle."""
-        device = source.flats[0].device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # a new thread starts on GPU 0; vLLM opens its endpoint on the current GPU
-        if self.engine is None:
-            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
-                self.init_info, client=EnginesDriveTheirSide(), source=source
-            )
-            require_wire(self.engine.model_update_group, "trainer rank 0")
-        self.engine.source = source
-        self.engine.send_weights()
+    def _send(self, source: BundleSource, gathered: Any) -> Any:
+        """On the sender thread, on its own stream after `gathered`: the group formed at the first bundle (it waits
+        for every engine), then the bundle. Returns an event that is done once the broadcasts are."""
+        self.device.select()  # a new thread starts on GPU 0; vLLM opens its endpoint on the current GPU
+        if self.stream is None:
+            self.stream = self.device.new_stream()
+        with self.device.on_stream(self.stream, after=gathered):
+            if self.engine is None:
+                self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
+                    self.init_info, client=EnginesDriveTheirSide(), source=source
+                )
+                require_wire(self.engine.model_update_group, "trainer rank 0")
+            self.engine.source = source
+            try:
+                self.engine.send_weights()
+            finally:
+                self.engine.source = None  # held in `sending` until delivered, then freed
+            return self.device.mark()
 
     def _wait_delivered(self) -> None:
-        """Wait for the bundle in flight to reach every engine; past its deadline abort the group and name them."""
+        """Wait for the bundle in flight to reach every engine: its send to return, then its broadcasts' event;
+        past its deadline abort the group and name the engines."""
         if self.sending is None:
             return
-        (version, deadline, send), self.sending = self.sending, None
+        (version, deadline, send, _), self.sending = self.sending, None  # its buckets are freed on return
         try:
-            send.result(timeout=max(0.0, deadline - time.monotonic()))
+            broadcasts = send.result(timeout=max(0.0, deadline - time.monotonic()))
         except DeadlinePassed:
-            if self.engine is not None:
-                self.engine.shutdown()  # ncclCommAbort: the broadcast still waiting returns
-            raise WeightSyncError(
-                f"sync.transport=nccl: weights v{version} did not reach engines {list(range(self.receivers))} "
-                f"(group ranks 1-{self.receivers} at {self.host}:{self.init_info.master_port}) within "
-                f"{self.timeout}: an engine died or did not take the bundle; the group is aborted"
-            ) from None
+            raise self._abort(version) from None
         except Exception as err:
             raise WeightSyncError(f"sync.transport=nccl: sending weights v{version} failed: {err}") from err
+        if not self.device.wait_for(broadcasts, deadline):
+            raise self._abort(version)
+
+    def _abort(self, version: int) -> WeightSyncError:
+        """Abort the group (vLLM's `shutdown`: ncclCommAbort, so a broadcast still waiting returns); the error."""
+        if self.engine is not None:
+            self.engine.shutdown()
+        return WeightSyncError(
+            f"sync.transport=nccl: weights v{version} did not reach engines {list(range(self.receivers))} "
+            f"(group ranks 1-{self.receivers} at {self.host}:{self.init_info.master_port}) within "
+            f"{self.timeout}: an engine died or did not take the bundle; the group is aborted"
+        )
 
     def close(self) -> None:
         self.sender.shutdown(wait=False, cancel_futures=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rl_tpu.sync.base import Transport
 from rl_tpu.sync.collective import CollectiveTransport
 from rl_tpu.sync.object_store import ObjectStoreTransport
@@ -30,12 +32,15 @@ def transport_class(name: str) -> type[Transport]:
 
 
 def make_transport(
-    name: str, shm_dir: str = "/dev/shm/rl_tpu", host: str = "127.0.0.1", receivers: int = 1
+    name: str, shm_dir: str = "/dev/shm/rl_tpu", host: str = "127.0.0.1", receivers: int = 1, device: Any = None
 ) -> Transport:
-    """The sender side; `host` is the sender's node address, `receivers` the number of engines."""
+    """The sender side; `host` is the sender's node address, `receivers` the number of engines, `device` the
+    sending rank's `cluster.device.Device` (nccl waits on its events)."""
     cls = transport_class(name)
     if cls is ShmFileTransport:
         return cls(shm_dir)
-    if cls is CollectiveTransport or name == "nccl":
+    if cls is CollectiveTransport:
         return cls(host, receivers)
+    if name == "nccl":
+        return cls(host, receivers, device)
     return cls(bind_ip=host) if name == "tpu_sync" else cls()

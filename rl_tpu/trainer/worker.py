@@ -104,7 +104,11 @@ class TrainerWorker:
         self.base_checksum = weights.base_checksum(self.model, self.served_dtype, rank) if self.lora_sync else None
         # the collective sender (rank 0) listens on its own node's address, where the engines connect
         self.transport = make_transport(
-            value_of(cfg.sync.transport), cfg.sync.shm_dir, host=master_addr, receivers=cfg.sampler.num_engines
+            value_of(cfg.sync.transport),
+            cfg.sync.shm_dir,
+            host=master_addr,
+            receivers=cfg.sampler.num_engines,
+            device=self.device,
         )
         if rank == 0 or self.transport.any_rank_sends:
             specs = weights.served_specs(self.served, self.served_dtype)

@@ -1,15 +1,16 @@
 """`sync.transport=nccl`'s logic, run on the CPU. vLLM's own weight-transfer engines move real bundles: its trainer
 engine (`NCCLTrainerWeightTransferEngine`) on the transport's sender thread as trainer rank 0, its worker engine
 (`NCCLWeightTransferEngine`) under each sampler's install, on threads of this process; vLLM forms the group from the
-transport's rendezvous and ranks. Two stand-ins: a gloo group of the same ranks in place of vLLM's NCCL communicator
-(made where vLLM makes it, `nccl_common.stateless_init_process_group`), and an in-process engine in place of vLLM's
-LLM and worker. The CUDA calls vLLM makes around its communicator (the current stream and device, a synchronize) are
+transport's rendezvous and ranks. Three stand-ins: a gloo group of the same ranks in place of vLLM's NCCL communicator
+(made where vLLM makes it, `nccl_common.stateless_init_process_group`), an in-process engine in place of vLLM's
+LLM and worker, and rank 0's Device with events that stay pending while a broadcast to a dead engine is, as on a GPU. The CUDA calls vLLM makes around its communicator (the current stream and device, a synchronize) are
 stubbed: nothing here ran on a GPU, and the NCCL path itself has not run yet."""
 
 from __future__ import annotations
 
 import functools
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from vllm.distributed.weight_transfer import nccl_common
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
 from rl_tpu.cluster.core_loan import EngineActivity
+from rl_tpu.cluster.device import Device
 from rl_tpu.config import register_configs
 from rl_tpu.controller.checks import validate
 from rl_tpu.records import WeightBundle, WeightSyncError
@@ -63,34 +65,51 @@ def served_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 class GlooWire:
     """vLLM's PyNcclCommunicator as the weight transfer uses it, over a gloo group of the same ranks. It counts the
-    bytes a rank receives, and flips a byte of the receives whose order is in `damaged` (damage in flight)."""
+    bytes a rank receives, and flips a byte of the receives whose order is in `opened.damaged` (damage in flight).
+    Once `opened.engines_dead`, the sender's broadcasts behave as NCCL's on a GPU with a dead peer: enqueued, they
+    return at once and never complete (`opened.stuck` counts them)."""
 
     disabled = False
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, damaged: set[int]):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, opened: SimpleNamespace):
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=WIRE_TIMEOUT, wait_for_workers=False)
         self.group = gloo_group(store, rank, world_size, host, WIRE_TIMEOUT)
-        self.rank, self.damaged, self.received, self.received_bytes = rank, damaged, 0, 0
+        self.rank, self.opened, self.received, self.received_bytes = rank, opened, 0, 0
+        self.aborted = False
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        if self.rank == src and self.opened.engines_dead:
+            self.opened.stuck += 1
+            return
         self.group.broadcast(tensor, src).wait()
         if self.rank == src:
             return
-        if self.received in self.damaged:
+        if self.received in self.opened.damaged:
             tensor[7] ^= 0xFF
         self.received, self.received_bytes = self.received + 1, self.received_bytes + tensor.numel()
 
-    def destroy(self) -> None:
-        pass
+    def destroy(self) -> None:  # vLLM's: ncclCommAbort
+        self.aborted = True
+
+
+class EnqueuingDevice(Device):
+    """Rank 0's Device (the CPU's, no streams) with a GPU's events: `mark` gives an event that is done once the
+    broadcasts enqueued before it are, never while one of them is stuck (`GlooWire`)."""
+
+    opened: SimpleNamespace = SimpleNamespace(stuck=0)
+
+    def mark(self) -> SimpleNamespace:
+        stuck = self.opened.stuck
+        return SimpleNamespace(query=lambda: stuck == 0)
 
 
 @pytest.fixture
 def wires(monkeypatch):
     """The communicators vLLM opens, by rank, as gloo wires; `wires.damaged`: receives to damage."""
-    opened = SimpleNamespace(by_rank={}, damaged=set())
+    opened = SimpleNamespace(by_rank={}, damaged=set(), engines_dead=False, stuck=0)
 
     def open_wire(master_address, master_port, rank, world_size, device):
-        opened.by_rank[rank] = GlooWire(master_address, master_port, rank, world_size, opened.damaged)
+        opened.by_rank[rank] = GlooWire(master_address, master_port, rank, world_size, opened)
         return opened.by_rank[rank]
 
     monkeypatch.setattr(nccl_common, "stateless_init_process_group", open_wire)
@@ -98,13 +117,19 @@ def wires(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None)
     monkeypatch.setattr(NcclTransport, "_engines", {})
+    monkeypatch.setattr(EnqueuingDevice, "opened", opened)
     return opened
 
 
 @pytest.fixture
 def transport():
     made = []
-    yield lambda receivers: made.append(make_transport("nccl", host="127.0.0.1", receivers=receivers)) or made[-1]
+
+    def make(receivers: int) -> NcclTransport:
+        made.append(make_transport("nccl", host="127.0.0.1", receivers=receivers, device=EnqueuingDevice("cpu")))
+        return made[-1]
+
+    yield make
     for sender in made:
         sender.close()
 
@@ -242,6 +267,30 @@ def test_engines_that_never_join_are_named_after_the_deadline(wires, transport, 
             publish(sender, TiedModel(seed=0), 2)
     finally:
         released.set()
+
+
+def test_a_broadcast_that_never_completes_aborts_the_group_at_the_deadline(wires, transport):
+    """On a GPU vLLM's broadcast is only enqueued: the send returns while a dead engine's broadcast never completes.
+    Rank 0 waits on the event after its broadcasts, not the send, and aborts the group past the deadline."""
+    sender, samplers = transport(1), [sampler(InProcessEngine(), 0)]
+    install(samplers, publish(sender, TiedModel(seed=0), 1))
+    wires.engines_dead, sender.timeout = True, timedelta(seconds=0.2)
+    publish(sender, TiedModel(seed=2), 2)  # publishing does not wait for the engines
+    start = time.monotonic()
+    with pytest.raises(
+        WeightSyncError, match=r"weights v2 did not reach engines \[0\] \(group ranks 1-1 at .* aborted"
+    ):
+        publish(sender, TiedModel(seed=3), 3)
+    assert wires.stuck == 2 and wires.by_rank[0].aborted  # both buckets enqueued; vLLM's shutdown aborted the group
+    assert time.monotonic() - start < WIRE_TIMEOUT.total_seconds()  # at the deadline, not a wire's timeout
+
+
+def test_an_event_is_polled_until_its_deadline():
+    never, done = SimpleNamespace(query=lambda: False), SimpleNamespace(query=lambda: True)
+    assert Device.wait_for(done, time.monotonic()) and Device.wait_for(None, time.monotonic())  # None: CPU work
+    start = time.monotonic()
+    assert not Device.wait_for(never, start + 0.05)
+    assert time.monotonic() - start >= 0.05
 
 
 def test_a_disabled_nccl_communicator_fails_the_send(wires, transport, monkeypatch):
