@@ -1,18 +1,19 @@
 """The memory plan logged at start: what each trainer rank, engine and the driver will hold at its peak, summed per
-device (each GPU; on CPU the host's RAM) against that device's memory. A run whose estimate does not fit is refused,
-naming its largest items and the keys that shrink them (`trainer.memory_check`: refuse, warn or off).
+device (each GPU; on CPU the host's RAM) and on the host, against their memory. A run whose estimate does not fit
+is refused, naming its largest items and the keys that shrink them (`trainer.memory_check`: refuse, warn or off).
 
 An estimate made from the config, the model's config.json and its weight files' headers (nothing is loaded), of
 what the code holds: fp32 master weights, gradients and AdamW's two states per trainable weight, sharded over the
-ranks; a LoRA trainer's frozen base in the served dtype; the largest FSDP unit unsharded; activations; the engines'
-weights and KV cache. How close it came to the recorded peaks: docs/performance.md#the-memory-plan. It may import
-the config, the model files' helpers and the settings the actors start with (a controller module).
+ranks; a LoRA trainer's frozen base in the served dtype; the largest FSDP unit unsharded; activations; the bundles
+a transport keeps and their checksums' working copies; the engines' weights, KV cache and received buckets; on an
+accelerator, the caching allocator's slack, and on the host the processes and rank 0's whole model read in fp32.
+How close it came to the recorded peaks: docs/performance.md#the-memory-plan. It may import the config, the model
+files' helpers and the settings the actors start with (a controller module).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -23,11 +24,11 @@ import torch
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.device import Device
 from rl_tpu.config import RunConfig, value_of
-from rl_tpu.config.lora import LoraConfig
 from rl_tpu.controller.actors import GPU_MEMORY_COLOCATED, GPU_MEMORY_OWN_DEVICE
-from rl_tpu.models.hf import bundle_bytes
+from rl_tpu.controller.model_shape import ModelShape
 from rl_tpu.models.logprobs import bucketed
 from rl_tpu.sampler.engine import CPU_KV_CACHE_GB
+from rl_tpu.sync.bundle import CHECKSUM_CHUNK_WORDS
 from rl_tpu.sync.registry import transport_class
 from rl_tpu.trainer.worker import attention
 
@@ -39,70 +40,20 @@ GiB = 2**30
 # 1 GiB cache); the driver's is the largest recorded, a 0.5B GSM8K run's (lora_sync.json: 1.25 GiB)
 CPU_PROCESS = {"trainer": int(0.80 * GiB), "engine": int(0.75 * GiB), "driver": int(1.25 * GiB)}
 DEVICE_PROCESS = GiB // 2  # on an accelerator: a CUDA context and library workspaces (typical; not measured here)
+# an accelerator process's host memory: its CPU figure and 1 GiB for the accelerator libraries (typical; not measured)
+HOST_PROCESS = {name: n + GiB for name, n in CPU_PROCESS.items() if name != "driver"}
+# torch's caching allocator reserves more than it allocates (blocks cached, split, fragmented): a share of what a
+# process allocates on an accelerator (typical; not measured here: the recorded peaks are allocations)
+ALLOCATOR_SLACK = 0.10
+# `bundle.device_checksum` of a bucket of b bytes: its b/2 16-bit words widened to int64 (4b), and the offset words
+# made from them (4b more) while both exist; then two int64 chunks at a time (the words' weights and products)
+CHECKSUM_COPIES, CHECKSUM_WORK = 8, 2 * 8 * CHECKSUM_CHUNK_WORDS
 RAY_MEMORY_THRESHOLD = 0.95  # Ray's memory monitor stops actors past this share of the host's memory
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
 # the completions' logits: kept for the chunked log-softmax, their gradient as it accumulates, one chunk's gradient
 LOGITS_COPIES = 3
 CHUNK_COPIES = 3  # one chunk's fp32 log-softmax, its exponential and its gradient
 DEVICE_WORD = {"cuda": "GPU", "tpu": "TPU chip"}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs of a decoder: its parameter count (weight files' headers) and its config's sizes."""
-
-    parameters: int  # every weight, a tied head once
-    hidden: int
-    layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-
-    @classmethod
-    def from_config(cls, config: dict, parameters: int) -> ModelShape:
-        heads = config["num_attention_heads"]
-        return cls(
-            parameters,
-            config["hidden_size"],
-            config["num_hidden_layers"],
-            config["intermediate_size"],
-            heads,
-            config.get("num_key_value_heads") or heads,
-            config.get("head_dim") or config["hidden_size"] // heads,
-            config["vocab_size"],
-            bool(config.get("tie_word_embeddings")),  # as models.hf reads it
-        )
-
-    @classmethod
-    def of(cls, model_path: str | Path) -> ModelShape:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        return cls.from_config(config, bundle_bytes(model_path, torch.float32) // 4)
-
-    @property
-    def embedding(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def largest_unit(self) -> int:
-        """FSDP's largest unit: the root (embedding, an untied head, the final norm) or a decoder block."""
-        root = self.embedding * (1 if self.tied else 2) + self.hidden
-        return max(root, (self.parameters - root) // self.layers)
-
-    @property
-    def largest_weight(self) -> int:
-        return max(self.embedding, self.hidden * self.intermediate)
-
-    def adapter_parameters(self, lora: LoraConfig) -> int:
-        """LoRA's A and B over the targeted projections of every block: rank x (inputs + outputs) each."""
-        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        sides = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
-        sides |= {"gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
-        targets = sides if lora.target_modules == "all-linear" else set(lora.target_modules)
-        kept = [name for name in sides if name in targets and name not in (lora.exclude_modules or ())]
-        return lora.lora_rank * self.layers * sum(sides[name] for name in kept)
 
 
 @dataclass(frozen=True)
@@ -213,7 +164,10 @@ def activation_items(cfg: RunConfig, shape: ModelShape, kind: str) -> list[Item]
 
 
 def trainer_phases(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> dict[str, list[Item]]:
-    """A trainer rank's items in each phase: between steps, training, publishing, and (rank 0) loading."""
+    """A trainer rank's items on its device (on CPU, the host) in each phase: between steps, training, publishing,
+    loading. Rank 0 reads the checkpoint into a whole fp32 model in host memory and sends each rank its shard a
+    tensor at a time (`TrainerWorker._load_model`): on CPU that model is in the rank's memory; on an accelerator a
+    device holds one weight in fp32 at a time, and the whole model is on the host (`host_phases`)."""
     lora, size = cfg.actor.lora, cfg.model.torch_dtype.itemsize
     ranks, params = cfg.trainer.world_size, shape.parameters
     adapter = shape.adapter_parameters(lora) if lora.enabled else 0
@@ -238,16 +192,38 @@ def trainer_phases(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> d
     training += activation_items(cfg, shape, kind)
     bucket = min(int(cfg.sync.bucket_mb * 2**20), served_bytes(cfg, shape, kind))
     gather = 0 if sends_adapter(cfg, kind) else 4 * shape.largest_weight
-    phases = {
-        "between steps": resident,
-        "training": training,
-        "publishing": [
-            *resident,
-            Item("a bucket, and a weight gathered in fp32", bucket + gather, ("sync.bucket_mb",)),
-        ],
-    }
-    if rank == 0:  # rank 0 reads the checkpoint into a whole fp32 model, then sends each rank its shard
-        phases["loading"] = [process, *weights, Item("the whole model in fp32, once", 4 * (params + adapter))]
+    publishing = [*resident, Item("a bucket, and a weight gathered in fp32", bucket + gather, ("sync.bucket_mb",))]
+    if transport_class(value_of(cfg.sync.transport)).on_device and rank == 0:
+        publishing.append(checksum_item(bucket))
+    if kind == "cpu" and rank == 0:
+        loading = [process, *weights, Item("the whole model in fp32, once", 4 * (params + adapter))]
+    else:  # torch broadcasts the state dict a tensor at a time, each whole on every rank's device
+        loading = [process, *weights, Item("a weight being loaded, in fp32", 4 * shape.largest_weight)]
+    phases = {"between steps": resident, "training": training, "publishing": publishing, "loading": loading}
+    if kind == "cpu":
+        return phases
+    return {phase: [*items, slack(items[1:])] for phase, items in phases.items()}  # the process's own is not torch's
+
+
+def checksum_item(bucket: int) -> Item:
+    """`bundle.device_checksum`'s working copies of one bucket, on the device where the bucket is checked."""
+    return Item("a bucket's checksum, its int64 words", CHECKSUM_COPIES * bucket + CHECKSUM_WORK, ("sync.bucket_mb",))
+
+
+def slack(allocated: list[Item]) -> Item:
+    """On an accelerator, the caching allocator's slack over what the items allocate through it."""
+    allocated_bytes = sum(item.bytes for item in allocated)
+    return Item(f"the caching allocator's slack, {ALLOCATOR_SLACK:.0%}", int(ALLOCATOR_SLACK * allocated_bytes))
+
+
+def host_phases(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> dict[str, list[Item]]:
+    """A trainer rank's host memory on an accelerator run: its process, its share of a host transport's bundles,
+    and on rank 0, while loading, the whole model read in fp32 (`trainer_phases`), a reference model's in turn."""
+    adapter = shape.adapter_parameters(cfg.actor.lora) if cfg.actor.lora.enabled else 0
+    process = Item("process: torch, accelerator libraries, Ray", HOST_PROCESS["trainer"])
+    phases = {"running": [process, *published_items(cfg, shape, kind, rank, on_host=True)]}
+    if rank == 0:
+        phases["loading"] = [process, Item("the whole model in fp32, once", 4 * (shape.parameters + adapter))]
     return phases
 
 
@@ -262,25 +238,26 @@ def served_bytes(cfg: RunConfig, shape: ModelShape, kind: str) -> int:
     return cfg.model.torch_dtype.itemsize * served
 
 
-def published_items(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> list[Item]:
-    """The rank's share of the last bundle, kept until the engines install it: in the host's shared memory (on CPU
-    counted in the rank's resident memory, as the benchmarks measure it) or, for a device transport, on its device.
-    A transport that sends bucket by bucket (collective) keeps less."""
+def published_items(cfg: RunConfig, shape: ModelShape, kind: str, rank: int, on_host: bool = False) -> list[Item]:
+    """The rank's share of the bundles its transport keeps until the engines install them (`kept_versions`: the
+    last, or the one before too), where they lie: on its device (a device transport's) or in the host's shared
+    memory, which on CPU is counted in the rank's resident memory, as the benchmarks measure it. A transport that
+    sends bucket by bucket (collective) keeps none."""
     transport = transport_class(value_of(cfg.sync.transport))
     senders = cfg.trainer.world_size if transport.any_rank_sends else 1
-    if rank >= senders or (kind != "cpu" and not transport.on_device):
+    if rank >= senders or transport.on_device == (on_host or kind == "cpu"):
         return []
-    return [
-        Item("its share of the weights it published", served_bytes(cfg, shape, kind) // senders, ("sync.transport",))
-    ]
+    kept = transport.kept_versions
+    what = "its share of the weights it published" + (f", the last {kept} versions" if kept > 1 else "")
+    return [Item(what, kept * served_bytes(cfg, shape, kind) // senders, ("sync.transport",))]
 
 
 def engine_phases(
     cfg: RunConfig, shape: ModelShape, kind: str, layout: str, capacity: int | None
 ) -> dict[str, list[Item]]:
-    """An engine's items generating, and asleep (a colocated CUDA engine while the trainer trains), on CPU loading
-    too; with tensor parallelism, one of its worker processes' (each device holds a shard of the weights and a
-    cache of its own)."""
+    """An engine's items generating, installing a bundle, and asleep (a colocated CUDA engine while the trainer
+    trains), on CPU loading too; with tensor parallelism, one of its worker processes' (each device holds a shard of
+    the weights and a cache of its own)."""
     s, dtype = cfg.sampler, cfg.model.torch_dtype
     process = Item("process: vLLM", CPU_PROCESS["engine"] if kind == "cpu" else DEVICE_PROCESS)
     weights = dtype.itemsize * shape.parameters
@@ -311,7 +288,20 @@ def engine_phases(
         rest = max(0, int(share * capacity) - process.bytes - weights)
         keys = ("sampler.gpu_memory_utilization", "sampler.kv_cache_gb")
         items.append(Item(f"KV cache and buffers: the rest of {share:g} of the device", rest, keys))
+    if transport_class(value_of(cfg.sync.transport)).on_device:
+        phases["installing"] = [*items, *installing_items(cfg, shape, kind)]
     return phases
+
+
+def installing_items(cfg: RunConfig, shape: ModelShape, kind: str) -> list[Item]:
+    """What an engine allocates through torch, outside vLLM's share, to install a device transport's bundle: each
+    bucket's checksum, taken where it lies, one at a time, and the buckets themselves where the transport gives the
+    engine copies of its own (nccl), all received before any is checked or loaded (`endpoints.unpack`)."""
+    served = served_bytes(cfg, shape, kind)
+    outside = [checksum_item(min(int(cfg.sync.bucket_mb * 2**20), served))]
+    if transport_class(value_of(cfg.sync.transport)).copies:
+        outside.insert(0, Item("the bundle's buckets, as received", served, ("sync.transport",)))
+    return [*outside, slack(outside)]
 
 
 def at_peak(name: str, phases: dict[str, list[Item]], count: int = 1, among: tuple[str, ...] = ()) -> Process:
@@ -324,38 +314,58 @@ def at_peak(name: str, phases: dict[str, list[Item]], count: int = 1, among: tup
 
 
 def build(
-    cfg: RunConfig, shape: ModelShape, kind: str, capacity: int | None, layout: str = "disaggregated"
+    cfg: RunConfig,
+    shape: ModelShape,
+    kind: str,
+    capacity: int | None,
+    layout: str = "disaggregated",
+    host: int | None = None,
 ) -> MemoryPlan:
-    """The plan for `kind` (cpu, cuda, tpu) and a `layout` of accelerators (on CPU every actor is on the host)."""
-    ranks, engines = cfg.trainer.world_size, cfg.sampler.num_engines
+    """The plan for `kind` (cpu, cuda, tpu) and a `layout` of accelerators (on CPU every actor is on the host).
+    `capacity`: each device's memory, on CPU the host's; `host`: the host's on an accelerator run (None: unknown).
+    Every actor of a local cluster is on this host."""
+    if kind == "cpu":
+        return MemoryPlan((host_budget(cfg, shape, kind, capacity),))
+    return MemoryPlan((*device_budgets(cfg, shape, kind, capacity, layout), host_budget(cfg, shape, kind, host)))
+
+
+def host_budget(cfg: RunConfig, shape: ModelShape, kind: str, memory: int | None) -> Budget:
+    """Every process on the host, each at its own peak, against the share of its memory Ray's monitor allows."""
+    ranks, engines, workers = cfg.trainer.world_size, cfg.sampler.num_engines, cfg.sampler.tensor_parallel_size
+    phases = trainer_phases if kind == "cpu" else host_phases
+    processes = [Process("driver", (Item("process: the loop, tokenizer, data", CPU_PROCESS["driver"]),))]
+    processes.append(at_peak("trainer rank 0", phases(cfg, shape, kind, 0)))
+    if ranks > 1:
+        others = "trainer rank 1" if ranks == 2 else f"trainer ranks 1-{ranks - 1}"
+        processes.append(at_peak(others, phases(cfg, shape, kind, 1), ranks - 1))
+    if kind == "cpu":
+        engine = at_peak("engine worker" if workers > 1 else "engine", engine_phases(cfg, shape, kind, "", None))
+    else:
+        engine = Process("engine worker" if workers > 1 else "engine", (Item("process: vLLM", HOST_PROCESS["engine"]),))
+    processes.append(dataclasses.replace(engine, count=engines * workers))
+    advice = tuple(key for key, n in (("trainer.world_size", ranks), ("sampler.num_engines", engines)) if n > 1)
+    share = f" ({RAY_MEMORY_THRESHOLD:.0%} of its memory: past that Ray's memory monitor stops actors)"
+    capacity = int(RAY_MEMORY_THRESHOLD * memory) if memory is not None else None
+    return Budget("this host", tuple(processes), capacity, share, advice)
+
+
+def device_budgets(cfg: RunConfig, shape: ModelShape, kind: str, capacity: int | None, layout: str) -> list[Budget]:
+    """Rank 0's device and an engine's, or (colocated) the one they share."""
     rank0 = trainer_phases(cfg, shape, kind, 0)
     engine = engine_phases(cfg, shape, kind, layout, capacity)
-    if kind == "cpu":
-        processes = [Process("driver", (Item("process: the loop, tokenizer, data", CPU_PROCESS["driver"]),))]
-        processes.append(at_peak("trainer rank 0", rank0))
-        if ranks > 1:
-            others = "trainer rank 1" if ranks == 2 else f"trainer ranks 1-{ranks - 1}"
-            processes.append(at_peak(others, trainer_phases(cfg, shape, kind, 1), ranks - 1))
-        workers = cfg.sampler.tensor_parallel_size
-        processes.append(at_peak("engine worker" if workers > 1 else "engine", engine, engines * workers))
-        advice = tuple(key for key, n in (("trainer.world_size", ranks), ("sampler.num_engines", engines)) if n > 1)
-        share = f" ({RAY_MEMORY_THRESHOLD:.0%} of its memory: past that Ray's memory monitor stops actors)"
-        return MemoryPlan((Budget("this host", tuple(processes), capacity, share, advice),))
     device = DEVICE_WORD.get(kind, kind)
     if layout == "disaggregated":
-        return MemoryPlan(
-            (
-                Budget(f"the {device} of trainer rank 0", (at_peak("trainer rank 0", rank0),), capacity),
-                Budget(f"each engine's {device}", (at_peak("engine", engine),), capacity),
-            )
-        )
+        return [
+            Budget(f"the {device} of trainer rank 0", (at_peak("trainer rank 0", rank0),), capacity),
+            Budget(f"each engine's {device}", (at_peak("engine", engine),), capacity),
+        ]
     # colocated (CUDA only: a TPU engine cannot sleep): the engine sleeps while the trainer trains, and wakes beside
     # the trainer's state between steps
     asleep = [at_peak("trainer rank 0", rank0), at_peak("engine 0", engine, among=("asleep",))]
     awake = [at_peak("trainer rank 0", rank0, among=("between steps",)), at_peak("engine 0", engine)]
     together = max(asleep, awake, key=lambda ps: sum(p.bytes for p in ps))
     name = f"the {device} of trainer rank 0 and engine 0"
-    return MemoryPlan((Budget(name, tuple(together), capacity, advice=("placement=disaggregated",)),))
+    return [Budget(name, tuple(together), capacity, advice=("placement=disaggregated",))]
 
 
 def host_memory() -> int:
@@ -369,9 +379,9 @@ def host_memory() -> int:
 
 def local_layout(cfg: RunConfig, kind: str) -> tuple[str, int | None]:
     """Before Ray starts, on a local cluster (this host): the layout the placement will choose, and each device's
-    memory (CPU: the host's share Ray's memory monitor allows; CUDA: device 0's; else unknown)."""
+    memory (CPU: the host's; CUDA: device 0's; else unknown)."""
     if kind == "cpu":
-        return "disaggregated", int(RAY_MEMORY_THRESHOLD * host_memory())
+        return "disaggregated", host_memory()
     devices = {placement.ACCELERATOR_RESOURCE[kind]: float(torch.accelerator.device_count())}
     layout = placement.make_plan(cfg, kind, devices).layout
     return layout, Device(kind).total_memory()  # device 0's: the driver allocates nothing on it
@@ -407,4 +417,4 @@ def check(cfg: RunConfig, model_path: Path) -> None:
         return
     kind = Device.resolve(cfg.device).kind
     layout, capacity = local_layout(cfg, kind)
-    enforce(build(cfg, shape, kind, capacity, layout), cfg.trainer.memory_check)
+    enforce(build(cfg, shape, kind, capacity, layout, host_memory()), cfg.trainer.memory_check)

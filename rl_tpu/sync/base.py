@@ -16,6 +16,10 @@ class Transport:
     # whether buckets stay on the device: `put_flat`/`get_flat` move one flat byte tensor each, checked with
     # `bundle.device_checksum` where it lies, instead of `put`/`get` moving host buffers checked with blake3
     on_device: bool = False
+    # how many bundles a sending rank keeps at once: the last, or the one before too while an engine may still read it
+    kept_versions: int = 1
+    # whether `get_flat` gives the engine its own copy of a bucket on its device (received, not opened where it lies)
+    copies: bool = False
 
     def prepare(self, bundle_bytes: int) -> None:
         """Called once on a sending rank, before the first bundle, with its size: a transport that keeps bundles

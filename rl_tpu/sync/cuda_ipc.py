@@ -45,6 +45,7 @@ def open_shared(handle: dict[str, Any]) -> torch.Tensor:
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
     on_device = True
+    kept_versions = 2  # the version before stays until this one is installed
 
     def __init__(self):
         self.kept: dict[int, list[torch.Tensor]] = {}  # version -> its buckets' buffers, alive while engines read

@@ -41,6 +41,7 @@ def _alive(pid: int) -> bool:
 
 class ShmFileTransport(Transport):
     name = "shm_file"
+    kept_versions = 2  # the version before stays until this one is installed
 
     def __init__(self, root: str = "/dev/shm/rl_tpu"):
         for folder in reclaim_dead_senders(Path(root)):

@@ -26,8 +26,14 @@ QWEN_15B = {**QWEN_05B, "hidden_size": 1536, "num_hidden_layers": 28, "intermedi
 QWEN_15B |= {"num_attention_heads": 12}
 QWEN_3B = {**QWEN_05B, "hidden_size": 2048, "num_hidden_layers": 36, "intermediate_size": 11008}
 QWEN_3B |= {"num_attention_heads": 16}
+QWEN_7B = {**QWEN_05B, "hidden_size": 3584, "num_hidden_layers": 28, "intermediate_size": 18944}  # Qwen2.5-7B's
+QWEN_7B |= {"num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152_064, "tie_word_embeddings": False}
+QWEN_14B = {**QWEN_7B, "hidden_size": 5120, "num_hidden_layers": 48, "intermediate_size": 13824}
+QWEN_14B |= {"num_attention_heads": 40, "num_key_value_heads": 8}
 CPU_TOLERANCE = 0.15  # a trainer rank's peak resident memory on CPU: the four recorded runs came to -6%..+10%
 GPU_TOLERANCE = 0.25  # torch's peak allocation on one H200: -20% (0.5B) and -3% (3B)
+# the memory torch reports of a device (GiB): a 24 GB card, an 80 GB H100, the H200 of the recorded runs
+GPU_24GB, H100, H200 = 23.6, 79.1, 139.8
 
 
 def record(name: str) -> dict:
@@ -104,12 +110,81 @@ def test_a_cpu_engine_lands_near_its_measured_peak(config, size, low, high):
     [(QWEN_05B, "device_check_cuda_trainer_0.5b.json", 16), (QWEN_3B, "device_check_cuda_trainer_3b.json", 8)],
 )
 def test_a_gpu_trainer_lands_near_the_recorded_peak_allocation(config, result, micro_batch):
-    cfg = RunConfig()  # device_check.py's trainer check: bf16, prompts of 128, completions of up to 512
+    plan = memory_plan.build(device_check_trainer(micro_batch), shape(config, result), "cuda", int(H200 * GiB))
+    process, *allocated, slack = trainer_rank_0(plan).items  # torch's count has no CUDA context, no cached blocks
+    assert process.what.startswith("process") and slack.what.startswith("the caching allocator's slack")
+    planned = sum(item.bytes for item in allocated) / GiB
+    assert planned == pytest.approx(record(result)["checks"]["trainer"]["peak_memory_gib"], rel=GPU_TOLERANCE)
+
+
+def device_check_trainer(micro_batch: int) -> RunConfig:
+    """device_check.py's trainer check: bf16, prompts of 128, completions of up to 512."""
+    cfg = RunConfig()
     cfg.device, cfg.model.dtype, cfg.trainer.micro_batch_size = "cuda", "bfloat16", micro_batch
     cfg.data.max_prompt_length, cfg.sampler.response_length = 128, 512
-    plan = memory_plan.build(cfg, shape(config, result), "cuda", 141 * GiB)
-    allocated = (trainer_rank_0(plan).bytes - memory_plan.DEVICE_PROCESS) / GiB  # torch's count has no CUDA context
-    assert allocated == pytest.approx(record(result)["checks"]["trainer"]["peak_memory_gib"], rel=GPU_TOLERANCE)
+    return cfg
+
+
+def test_the_recorded_h200_runs_fit_it_and_the_3b_run_is_refused_on_an_80_gb_gpu():
+    """Both recorded runs ran on an H200; the 3B one peaked at 78.8 GiB allocated, which with a CUDA context and the
+    allocator's cached blocks does not fit the 79.1 GiB an 80 GB H100 offers."""
+    for config, result, micro_batch in [(QWEN_05B, "0.5b", 16), (QWEN_3B, "3b", 8)]:
+        run = shape(config, f"device_check_cuda_trainer_{result}.json")
+        assert memory_plan.build(device_check_trainer(micro_batch), run, "cuda", int(H200 * GiB)).refusal() is None
+    plan = memory_plan.build(device_check_trainer(8), run, "cuda", int(H100 * GiB))
+    assert (
+        trainer_rank_0(plan).bytes / GiB
+        > record("device_check_cuda_trainer_3b.json")["checks"]["trainer"]["peak_memory_gib"]
+        + memory_plan.DEVICE_PROCESS / GiB
+    )
+    why = plan.refusal()
+    assert why is not None and "the GPU of trainer rank 0" in why and "trainer.micro_batch_size" in why
+
+
+def lora_run(host_gib: float, config: dict, parameters: int, device_gib: float) -> memory_plan.MemoryPlan:
+    """A LoRA run on one GPU: rank 16, bf16, checkpointed, micro-batches of 2 x (512 + 1024) tokens."""
+    cfg = RunConfig()
+    cfg.device, cfg.model.dtype, cfg.actor.lora.lora_rank, cfg.actor.lora.lora_alpha = "cuda", "bfloat16", 16, 32
+    cfg.data.max_prompt_length, cfg.sampler.response_length = 512, 1024
+    cfg.trainer.micro_batch_size, cfg.trainer.activation_checkpointing = 2, True
+    model = ModelShape.from_config(config, parameters)
+    return memory_plan.build(cfg, model, "cuda", int(device_gib * GiB), "disaggregated", int(host_gib * GiB))
+
+
+def test_rank_0_reads_the_whole_model_into_host_memory_not_onto_its_gpu():
+    """`TrainerWorker._load_model` reads the checkpoint in fp32 on the host and sends a tensor at a time: a 7B LoRA
+    run fits a 24 GB GPU and a 14B one an 80 GB GPU, and the host, checked on every run, holds the fp32 model."""
+    seven, fourteen = (QWEN_7B, 7_615_616_512), (QWEN_14B, 14_770_033_664)
+    for (config, parameters), device_gib in [(seven, GPU_24GB), (fourteen, H100)]:
+        plan = lora_run(128, config, parameters, device_gib)
+        assert plan.refusal() is None
+        host_rank_0 = next(p for p in plan.budgets[-1].processes if p.name.startswith("trainer rank 0"))
+        assert host_rank_0.name == "trainer rank 0, loading" and host_rank_0.items[-1].bytes > 4 * parameters
+    host = lora_run(24, *seven, GPU_24GB)
+    why = host.refusal()
+    assert why is not None and "on this host" in why and "the whole model in fp32, once 28.52 GiB" in why
+
+
+def test_each_transport_keeps_what_its_code_keeps_on_the_devices():
+    """cuda_ipc keeps the version before beside the last one; nccl's engine receives every bucket of a bundle into
+    buffers of its own, outside vLLM's share; a device checksum widens a bucket to int64 words (8 bytes a byte at
+    its peak: profiled on CPU, 256 MiB bucket: the pad 256 MB, the int64 words 1 GB, their offset copy 1 GB)."""
+    cfg = RunConfig()
+    cfg.device, cfg.model.dtype, cfg.sampler.kv_cache_gb, cfg.sync.bucket_mb = "cuda", "bfloat16", 4.0, 256
+    served = 2 * qwen_05b().parameters
+
+    def items(transport: str, layout: str) -> dict[str, int]:
+        cfg.sync.transport = transport
+        plan = memory_plan.build(cfg, qwen_05b(), "cuda", int(H100 * GiB), layout, 64 * GiB)
+        return {i.what: i.bytes for budget in plan.budgets[:-1] for p in budget.processes for i in p.items}
+
+    ipc = items("cuda_ipc", "colocated")
+    assert ipc["its share of the weights it published, the last 2 versions"] == 2 * served
+    nccl = items("nccl", "disaggregated")
+    assert nccl["its share of the weights it published"] == served
+    assert nccl["the bundle's buckets, as received"] == served
+    assert nccl["a bucket's checksum, its int64 words"] == 8 * 256 * 2**20 + memory_plan.CHECKSUM_WORK
+    assert "the bundle's buckets, as received" not in ipc  # an engine opens the trainer's buffers where they lie
 
 
 def test_a_layout_that_cannot_fit_is_refused_naming_the_keys_to_change(caplog):
@@ -134,7 +209,8 @@ def test_a_colocated_gpu_holds_trainer_and_engine_and_the_host_sums_every_proces
     cfg.model.dtype, cfg.sampler.kv_cache_gb = "bfloat16", 4.0
     apart = memory_plan.build(cfg, qwen_05b(), "cuda", 80 * GiB, "disaggregated")
     together = memory_plan.build(cfg, qwen_05b(), "cuda", 80 * GiB, "colocated").budgets
-    assert len(apart.budgets) == 2 and len(together) == 1 and len(together[0].processes) == 2
+    assert [b.name for b in apart.budgets] == ["the GPU of trainer rank 0", "each engine's GPU", "this host"]
+    assert len(together) == 2 and len(together[0].processes) == 2 and together[1].name == "this host"
     trainer, engine = together[0].processes
     assert together[0].total == trainer.bytes + engine.bytes
     # the engine sleeps while the trainer trains: the device holds the larger of the two sums
