@@ -245,7 +245,8 @@ def published_items(cfg: RunConfig, shape: ModelShape, kind: str, rank: int, on_
     sends bucket by bucket (collective) keeps none."""
     transport = transport_class(value_of(cfg.sync.transport))
     senders = cfg.trainer.world_size if transport.any_rank_sends else 1
-    if rank >= senders or transport.on_device == (on_host or kind == "cpu"):
+    in_host_memory = not transport.on_device
+    if rank >= senders or in_host_memory != (on_host or kind == "cpu"):  # counted in the other budget
         return []
     kept = transport.kept_versions
     what = "its share of the weights it published" + (f", the last {kept} versions" if kept > 1 else "")
@@ -339,7 +340,9 @@ def host_budget(cfg: RunConfig, shape: ModelShape, kind: str, memory: int | None
         others = "trainer rank 1" if ranks == 2 else f"trainer ranks 1-{ranks - 1}"
         processes.append(at_peak(others, phases(cfg, shape, kind, 1), ranks - 1))
     if kind == "cpu":
-        engine = at_peak("engine worker" if workers > 1 else "engine", engine_phases(cfg, shape, kind, "", None))
+        engine = at_peak(
+            "engine worker" if workers > 1 else "engine", engine_phases(cfg, shape, kind, "disaggregated", None)
+        )
     else:
         engine = Process("engine worker" if workers > 1 else "engine", (Item("process: vLLM", HOST_PROCESS["engine"]),))
     processes.append(dataclasses.replace(engine, count=engines * workers))
