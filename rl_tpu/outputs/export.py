@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import shlex
 from pathlib import Path
 
@@ -96,12 +97,14 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     return out
 
 
+# an absolute or home-relative path in an override's value: the whole value, or an item of a list
+LOCAL_PATH = re.compile(r"(?<=[=\[,])(?:/|~)[^,\]]*")
+
+
 def without_local_path(override: str) -> str:
-    """`KEY=VALUE` with an absolute or home-relative VALUE cut to its last part: a model card names no local path."""
-    key, sep, value = override.partition("=")
-    if sep and value.startswith(("/", "~")):
-        return f"{key}=.../{Path(value).name}"
-    return override
+    """`KEY=VALUE` with each absolute or home-relative path in VALUE (a list's items too) cut to its last part: a
+    model card names no local path (it is uploaded with the export)."""
+    return LOCAL_PATH.sub(lambda path: f".../{Path(path.group()).name}", override)
 
 
 def write_model_card(

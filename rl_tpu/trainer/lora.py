@@ -140,13 +140,23 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
+def base_model_name(model_path: str) -> str:
+    """The base as `adapter_config.json` names it: its Hub name when the folder is a Hub download
+    (`.../models--ORG--NAME/snapshots/REV`), else the folder's name. Never the local path: an exported adapter is
+    pushed to the Hub as it is, and would publish the trainer's file system (its user name, its layout)."""
+    path = Path(model_path).expanduser().absolute()
+    hub = [part for part in path.parts if part.startswith("models--")]
+    return hub[-1].removeprefix("models--").replace("--", "/") if hub else path.name
+
+
 def write_adapter_folder(tensors: dict[str, torch.Tensor], config: dict, model_path: str, folder: Path) -> None:
     """A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`): what `PeftModel.from_pretrained`
-    and vLLM's `LoRARequest` load. Written directly: PEFT's `save_pretrained` cannot read a sharded model."""
+    and vLLM's `LoRARequest` load (given the base: it is named, not located). Written directly: PEFT's
+    `save_pretrained` cannot read a sharded model."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     (folder / "adapter_config.json").write_text(
-        json.dumps({**config, "base_model_name_or_path": str(model_path)}, indent=2)
+        json.dumps({**config, "base_model_name_or_path": base_model_name(model_path)}, indent=2)
     )

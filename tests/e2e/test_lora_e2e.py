@@ -32,7 +32,13 @@ def lora_run(tmp_path_factory):
 
 
 def base_model_dir(run_dir):
-    return json.loads((run_dir / "export" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    """The tiny preset in the run's cache: adapter_config.json names the base by its folder's name, never its path
+    (the exported folder holds no local path at all)."""
+    export = run_dir / "export"
+    for file in export.iterdir():
+        assert str(run_dir.parent) not in file.read_bytes().decode("utf-8", errors="replace"), file.name
+    name = json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return run_dir.parent / "cache" / "models" / name
 
 
 def full_bundle_bytes(model_dir) -> int:

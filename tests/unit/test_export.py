@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from rl_tpu.outputs.export import push_to_hub, write_model_card
@@ -93,3 +96,35 @@ def test_the_model_card_names_no_local_path(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert str(tmp_path) not in card and "~/" not in card and "/root" not in card and "/home" not in card
     assert "model.path=.../Qwen data.train_files=.../train.parquet" in card and "run folder: `run`" in card
+
+
+ABSOLUTE_OR_HOME = re.compile(r"(?<![\w.:/-])(?:~[\w.-]*)?/[\w.-]+/")  # /a/..., ~/a/..., ~user/a/...
+
+
+@pytest.mark.parametrize(
+    "model, name",
+    [
+        ("hub/models--Qwen--Qwen2.5-0.5B/snapshots/0123abc", "Qwen/Qwen2.5-0.5B"),
+        ("models/tiny_arith-1a2b", "tiny_arith-1a2b"),
+    ],
+    ids=["a Hub download", "a local folder"],
+)
+def test_an_exported_adapter_names_its_base_and_no_file_holds_a_local_path(tmp_path, model, name):
+    """adapter_config.json gives the base's Hub name, else its folder's name (a pushed folder is uploaded as it
+    is), and neither it, the weights' header nor the card holds an absolute or home path."""
+    from rl_tpu.trainer.lora import write_adapter_folder
+
+    model_path, export = tmp_path / model, tmp_path / "export"
+    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 16)}
+    write_adapter_folder(tensors, {"peft_type": "LORA", "r": 8}, str(model_path), export)
+    run = fake_run(tmp_path)
+    overrides = [f"model.path={model_path}", f"data.train_files=[{tmp_path}/a.jsonl,~/data/b.jsonl]"]
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    write_model_card(export, run, "float32", adapter=True)
+    assert json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"] == name
+    assert sorted(p.name for p in export.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    for file in export.iterdir():
+        text = file.read_bytes().decode("utf-8", errors="replace")
+        assert str(tmp_path) not in text and str(Path.home()) not in text, file.name
+        assert not ABSOLUTE_OR_HOME.findall(text), (file.name, ABSOLUTE_OR_HOME.findall(text))
+    assert "data.train_files=[.../a.jsonl,.../b.jsonl]" in (export / "README.md").read_text()
