@@ -144,7 +144,11 @@ class Episode:
         self.stats.turns += 1
         self.finish_reason = turn.finish_reason
 
-    def add_environment(self, ids: list[int]) -> None:
+    def add_environment(self, ids: list[int], replaced: int = 0) -> None:
+        """Appends the environment's ids after dropping the last `replaced` (model) ids the chat template renders
+        otherwise (verl's GLM boundary: a stop token that is not the tool turn's first)."""
+        if replaced:
+            del self.ids[-replaced:], self.logprobs[-replaced:], self.mask[-replaced:]
         self.ids += ids
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
@@ -263,11 +267,11 @@ class EpisodeRunner:
                 if result.failure is None and name in self.tools.per_episode:
                     episode.succeeded_tools.add(name)
             episode.stats.tool_s += seconds
-            ids = self.renderer.environment_ids(episode.context(), episode.pending_calls, [r.text for r in mine])
-            if len(episode.ids) + len(ids) >= self.limits.max_tokens:
+            turn = self.renderer.environment_ids(episode.context(), episode.pending_calls, [r.text for r in mine])
+            if len(episode.ids) - turn.replaced + len(turn.ids) >= self.limits.max_tokens:
                 episode.end("max_tokens")  # no room for the model to read the result and answer
             else:
-                episode.add_environment(ids)
+                episode.add_environment(turn.ids, turn.replaced)
 
 
 @dataclass(frozen=True)

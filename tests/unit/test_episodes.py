@@ -288,7 +288,7 @@ def test_the_chat_renderer_appends_what_the_template_renders_after_the_models_tu
     chat.chat_template = CHATML
     renderer = ChatRenderer(chat, model_type="llama", tools=None)  # the default builder: no boundary fix-ups
     runtime = chat.encode("<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n" + call_text("1+1") + "<|im_end|>\n")
-    ids = renderer.environment_ids(runtime, [("calc", '{"expression": "1+1"}')], ["2"])
+    ids = renderer.environment_ids(runtime, [("calc", '{"expression": "1+1"}')], ["2"]).ids
     assert (
         chat.decode(ids) == "<|im_start|>tool\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
