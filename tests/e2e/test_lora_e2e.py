@@ -107,16 +107,24 @@ base, adapter, rows = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 llm = LLM(base, dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=2**28,
           enable_chunked_prefill=False, enable_lora=True, max_lora_rank=8, max_loras=1)
 params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
-outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in rows], params,
-                       lora_request=LoRARequest("export", 1, adapter), use_tqdm=False)
-completions = [o.outputs[0] for o in outputs]
-print("GREEDY", json.dumps([[list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]]
-                            for c in completions]))
+prompts = [TokensPrompt(prompt_token_ids=ids) for ids in rows]
+served = LoRARequest("export", 1, adapter)
+def greedy(outputs):
+    return [[list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]]
+            for c in (o.outputs[0] for o in outputs)]
+print("GREEDY", json.dumps(greedy(llm.generate(prompts, params, lora_request=served, use_tqdm=False))))
+# rl_tpu's CPU ops (what its engines serve with), then each prompt with the adapter and without it in one batch
+from rl_tpu.sampler.cpu_lora import use_one_matmul_per_adapter
+use_one_matmul_per_adapter()
+mixed = llm.generate(prompts * 2, params, lora_request=[served] * len(rows) + [None] * len(rows), use_tqdm=False)
+print("MIXED", json.dumps(greedy(mixed)))
 """
 
 
 def test_vllm_serves_the_exported_adapter_from_its_folder(lora_run):
-    """vLLM's own loader (`LoRARequest` with the folder's path): the logprobs of its greedy tokens are PEFT's."""
+    """vLLM's own loader (`LoRARequest` with the folder's path): the logprobs of its greedy tokens are PEFT's. Then,
+    with rl_tpu's CPU LoRA ops, requests without the adapter beside requests with it get the base model's logprobs
+    (vLLM's own CPU ops give them the adapter of the last slot: here the only one)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +139,8 @@ def test_vllm_serves_the_exported_adapter_from_its_folder(lora_run):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    served = json.loads(result.stdout.split("GREEDY ", 1)[1])
+    served = json.loads(result.stdout.split("GREEDY ", 1)[1].split("\nMIXED ", 1)[0])
+    mixed = json.loads(result.stdout.split("MIXED ", 1)[1])
     peft = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), run_dir / "export"
     )
@@ -147,6 +156,9 @@ def test_vllm_serves_the_exported_adapter_from_its_folder(lora_run):
         torch.testing.assert_close(torch.tensor(logprobs), logprobs_of(peft.eval(), prompt, ids), rtol=0, atol=1e-4)
         apart = max(apart, (torch.tensor(logprobs) - logprobs_of(base, prompt, ids)).abs().max().item())
     assert apart > 1e-3  # the base alone would not pass: the test can fail
+    for prompt, (ids, logprobs), (base_ids, base_logprobs) in zip(rows, mixed[: len(rows)], mixed[len(rows) :]):
+        torch.testing.assert_close(torch.tensor(logprobs), logprobs_of(peft, prompt, ids), rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(base_logprobs), logprobs_of(base, prompt, base_ids), rtol=0, atol=1e-4)
 
 
 def test_resume_from_a_lora_checkpoint_is_exact(lora_run, tmp_path):
