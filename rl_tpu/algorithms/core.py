@@ -168,16 +168,11 @@ def _verl_algo_config(cfg: AlgorithmConfig):
     )
 
 
-def token_level(
-    values: list[float], lengths: list[int], model_masks: list[list[int]] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, longest) tensors in verl's layout: each value on its row's last completion token, and the mask (with
-    `model_masks`, of the model's tokens only: an episode's tool results get no advantage, as in verl's agent loop)."""
+def token_level(values: list[float], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, longest) tensors in verl's layout: each value on its row's last completion token, and the mask."""
     width = max(1, max(lengths))
     n = torch.tensor(lengths)
     mask = (torch.arange(width)[None, :] < n[:, None]).float()
-    for row, model_mask in enumerate(model_masks or ()):
-        mask[row, : len(model_mask)] = torch.tensor(model_mask, dtype=torch.float32)
     rewards = torch.zeros(len(values), width)
     rewards[torch.arange(len(values)), (n - 1).clamp(min=0)] = torch.tensor(values, dtype=torch.float32)
     return rewards, mask
@@ -197,12 +192,14 @@ def advantages(
     Dispatched as verl's `ray_trainer.compute_advantage` does: the reward sits on each completion's
     last token, less each token's penalty in `token_penalties` (KL in the reward), `groups` is verl's
     `uid` (the prompt each completion answers), and `components` holds the reward's named parts
-    (`gdpo` normalises them one by one). `model_masks` (episodes) leave the environment's tokens out.
+    (`gdpo` normalises them one by one). With `model_masks` (episodes), see `on_model_tokens`.
     """
+    if model_masks is not None:
+        return on_model_tokens(rewards, groups, lengths, cfg, components, token_penalties, model_masks)
     core_algos = _core_algos()
     name = cfg.adv_estimator
     validate_adv_estimator(name)
-    token_rewards, mask = token_level(rewards, lengths, model_masks)
+    token_rewards, mask = token_level(rewards, lengths)
     for row, penalty in enumerate(token_penalties or ()):
         token_rewards[row, : len(penalty)] -= torch.tensor(penalty, dtype=torch.float32)
     index = np.asarray(groups)
@@ -229,6 +226,35 @@ def advantages(
             }
         adv, _ = core_algos.get_adv_estimator_fn(name)(**kwargs)
     return [row[:n].tolist() for row, n in zip(adv, lengths)]
+
+
+def on_model_tokens(
+    rewards: list[float],
+    groups: list[int],
+    lengths: list[int],
+    cfg: AlgorithmConfig,
+    components: dict[str, list[float]] | None,
+    token_penalties: list[list[float]] | None,
+    model_masks: list[list[int]],
+) -> list[list[float]]:
+    """Episodes' advantages: every estimator runs on each episode's model tokens alone, side by side, with the
+    outcome reward on the last of them, and the environment's tokens (tool results) get 0.
+
+    So a model token's advantage is what the same tokens get without a tool turn between them, under every
+    estimator, rather than whatever the estimator makes of masked tokens inside a row: verl's return loops have
+    reset the running return at a masked token (earlier versions) or carried it across (0.9.1), and a reward
+    sitting on a masked last token is dropped by the latter (tests/unit/test_algorithms.py checks each estimator).
+    """
+    kept = [[j for j, m in enumerate(mask) if m] for mask in model_masks]
+    penalties = None
+    if token_penalties is not None:
+        penalties = [[row[j] for j in where] for row, where in zip(token_penalties, kept, strict=True)]
+    compact = advantages(rewards, groups, [len(where) for where in kept], cfg, components, penalties)
+    spread = [[0.0] * n for n in lengths]
+    for row, where, values in zip(spread, kept, compact, strict=True):
+        for j, value in zip(where, values, strict=True):
+            row[j] = value
+    return spread
 
 
 def _verl_actor_config(actor: ActorConfig, response_length: int):

@@ -104,6 +104,49 @@ def test_every_estimator_equals_verls_own(name):
     assert got.abs().sum() > 0  # rewards that differ within groups: some advantage is not zero
 
 
+def episode_batch(cut_after_tool: bool):
+    """Two groups of 4 episodes: a first model turn, a tool result, a last model turn (with `cut_after_tool`, one
+    episode ends on a tool result instead, as an episode cut at its budget could); the first of each group solved."""
+    rng = random.Random(3)
+    rows = []
+    for i in range(8):
+        first, env, last = rng.randint(2, 5), rng.randint(1, 4), rng.randint(1, 3)
+        rows.append([1] * first + [0] * env + [1] * last + [0] * (2 if cut_after_tool and i == 0 else 0))
+    rewards = [1.0 if i % 4 == 0 else 0.0 for i in range(8)]
+    return rewards, [i // 4 for i in range(8)], rows
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("cut_after_tool", [False, True])
+@pytest.mark.parametrize("name", algorithms.adv_estimators())
+def test_every_estimator_gives_an_episodes_model_turns_what_they_get_without_the_tool_turn(name, cut_after_tool, gamma):
+    """Each model token's advantage is what the same tokens get with the environment's tokens taken out (any KL
+    penalty on them too), and a tool result gets none: the first turn of a solved episode gains, under every
+    estimator, even where the episode ends on a tool result (a reward verl's REINFORCE++ would drop there)."""
+    rewards, groups, masks = episode_batch(cut_after_tool)
+    cfg = AlgorithmConfig(adv_estimator=name, gamma=gamma, gdpo_reward_keys=["outcome"])
+    components = {"outcome": rewards}
+    rng = random.Random(4)
+    penalties = [[0.01 * rng.random() * m for m in mask] for mask in masks]
+    with_tools = algorithms.advantages(
+        rewards, groups, [len(m) for m in masks], cfg, components, penalties, model_masks=masks
+    )
+    alone = algorithms.advantages(
+        rewards,
+        groups,
+        [sum(m) for m in masks],
+        cfg,
+        components,
+        [[p for p, m in zip(row, mask) if m] for row, mask in zip(penalties, masks)],
+    )
+    for row, mask, expected in zip(with_tools, masks, alone):
+        assert [a for a, m in zip(row, mask) if not m] == [0.0] * (len(mask) - sum(mask))
+        assert [a for a, m in zip(row, mask) if m] == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    first_turn = with_tools[0][: masks[0].index(0)]
+    if gamma == 1.0:
+        assert min(first_turn) >= 0.0 and max(first_turn) > 0.0, first_turn
+
+
 def verl_loss_config(mode: str, agg_mode: str):
     """The same settings as `actor_config(mode)` below, in verl's own config classes."""
     from verl.trainer.config import RolloutCorrectionConfig
