@@ -121,12 +121,29 @@ def why_zero_advantage_rows_count(actor: ActorConfig) -> str | None:
     return None
 
 
+def validate_truncated_sampling(cfg: RunConfig) -> None:
+    """`sampler.top_p` < 1 or `sampler.top_k` > 0 only where nothing is trained (`trainer.total_steps=0`): the engine
+    samples from the distribution cut to the kept tokens and renormalised, and reports those logprobs, while the
+    trainer's are of the whole distribution. An evaluation's samples use no logprob."""
+    s = cfg.sampler
+    if cfg.trainer.total_steps and (s.top_p < 1.0 or s.top_k > 0):
+        raise ValueError(
+            f"sampler.top_p={s.top_p} and sampler.top_k={s.top_k}: the engine samples from the distribution "
+            "truncated to the kept tokens and renormalised over them, and its logprobs are of that distribution; "
+            "the trainer's are of the whole one, so the rollouts are not the trained policy's samples, and the "
+            "PPO ratio, the importance weights (actor.rollout_is, bypass_mode) and the KL in the reward would "
+            "compare two policies. Train with sampler.top_p=1.0 and sampler.top_k=-1 (sampler.temperature "
+            "still applies); top_p and top_k are for evaluation-only runs (trainer.total_steps=0)"
+        )
+
+
 def validate(cfg: RunConfig, reward_names: list[str]) -> None:
     """The algorithm settings, checked before anything starts; each error names the key and what is allowed."""
     algo, actor = cfg.algorithm, cfg.actor
     validate_adv_estimator(algo.adv_estimator)
     validate_kl_estimator("actor.kl_loss_type", actor.kl_loss_type)
     validate_policy_loss(actor)
+    validate_truncated_sampling(cfg)
     if cfg.sampler.n < 2 and algo.adv_estimator in GROUP_ESTIMATORS:
         raise ValueError(
             f"sampler.n={cfg.sampler.n}: {algo.adv_estimator} compares the completions of a prompt, "

@@ -92,8 +92,8 @@ class DataConfig:
 class SamplerConfig:
     n: int = 8  # completions per prompt (the GRPO group)
     temperature: float = 1.0  # sampling temperature; the trainer's logprobs use the same
-    top_p: float = 1.0
-    top_k: int = -1  # off: vLLM renormalises logprobs over kept tokens, which the trainer does not
+    top_p: float = 1.0  # < 1, and top_k > 0: evaluation-only runs (trainer.total_steps=0), refused when training:
+    top_k: int = -1  # the engine samples, and reports logprobs, renormalised over kept tokens; the trainer does not
     response_length: int = 16  # max new tokens
     # the engine's KV cache; None: 1 GiB on CPU, and on an accelerator what gpu_memory_utilization leaves
     kv_cache_gb: Optional[float] = None

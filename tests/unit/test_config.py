@@ -74,6 +74,8 @@ def test_value_checks_name_the_key():
         (["episode.reward=both"], "episode.reward='both': allowed values are plugin, tools, sum"),
         (["episode.max_turns=0"], "episode.max_turns=0 must be >= 1"),
         (["episode.tool_response_format=no placeholder"], "must contain {result}"),
+        (["sampler.top_p=0.9"], "sampler.top_p=0.9 and sampler.top_k=-1: the engine samples from the distribution"),
+        (["sampler.top_k=20"], "sampler.top_p=1.0 and sampler.top_k=20: .* evaluation-only runs"),
         (["sampler.tensor_parallel_size=0"], "sampler.tensor_parallel_size=0 >= 1"),
         (["sampler.tensor_parallel_size=2", "device=cpu"], "splits an engine's 1 thread.* set sampler.threads"),
         (["sampler.tensor_parallel_size=2", "sync.transport=cuda_ipc"], "needs a host transport: .*object_store"),
@@ -204,3 +206,9 @@ def test_a_context_longer_than_the_models_positions_is_refused_naming_the_keys(t
     check_context(tiny_model_dir, 64, 64, "sampler.response_length")  # the tiny preset's 128 positions, exactly
     with pytest.raises(ValueError, match=r"data.max_prompt_length=96 plus 64 .*sampler.response_length.*over the 128"):
         check_context(tiny_model_dir, 96, 64, "sampler.response_length")
+
+
+def test_top_p_and_top_k_are_allowed_where_nothing_is_trained():
+    """An evaluation-only run (trainer.total_steps=0) samples pass@k at top_p / top_k and uses no logprob."""
+    validate(compose_run("trainer.total_steps=0", "sampler.top_p=0.9", "sampler.top_k=20"))
+    validate(compose_run("sampler.top_k=0"))  # vLLM's other spelling of off
