@@ -3,9 +3,11 @@ AdamW step; the metrics reduced over the ranks; the per-token KL to the referenc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -33,6 +35,27 @@ def rank_share(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
     return batch.shard(rank, world_size)
 
 
+def trains_stochastically(model: torch.nn.Module) -> bool:
+    """Whether the model's forward in train mode draws random numbers: a dropout layer (`actor.lora.lora_dropout`
+    among them) or attention dropout in its config. Then the logprobs of a fixed policy are taken in eval mode."""
+    config = getattr(model, "config", None)
+    return (getattr(config, "attention_dropout", 0.0) or 0.0) > 0 or any(
+        isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules()
+    )
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module, stochastic: bool) -> Iterator[None]:
+    """The model in eval mode while inside if its train-mode forward is a draw (`stochastic`: dropout, which the
+    engine does not apply), then in the mode it was in; otherwise left as it is (a compiled forward keeps its graph)."""
+    training = model.training
+    model.train(training and not stochastic)
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
 @dataclass
 class UpdateTotals:
     """A step's sums over this rank's micro-batches, then over every rank: what the step's metrics divide.
@@ -45,24 +68,47 @@ class UpdateTotals:
     tokens: float = 0.0  # the batch's tokens in the loss, counted in the first epoch only
     entropy: float = 0.0  # over `tokens`
     logprob_diff: float = 0.0  # |old - sampler| logprob, over `tokens`
+    logprob_diff_max: float = 0.0  # the largest |old - sampler| logprob of a token in `tokens`: a max, not a sum
     positions_real: float = 0.0  # prompt and completion positions the forward computed
     positions: float = 0.0  # the same, padding included
     borrowed_s: float = 0.0  # seconds computed on engine cores too (trainer.borrow_idle_cores)
     weighted: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # verl's figures x tokens
 
+    def measure(
+        self, micro: TrainBatch, t: dict[str, torch.Tensor], entropy: torch.Tensor, old_log_prob: torch.Tensor
+    ) -> None:
+        """Adds a micro-batch's figures of what the batch is: its tokens in the loss, their entropy and their
+        engine-trainer logprob gap (the sum and the largest), the forward's positions."""
+        mask = t["response_mask"]
+        gap = (old_log_prob - t["sampler_logprobs"]).abs() * mask
+        self.tokens += mask.sum()
+        self.entropy += (entropy.detach() * mask).sum()
+        self.logprob_diff += gap.sum()
+        self.logprob_diff_max = gap.max().clamp(min=self.logprob_diff_max)
+        real, computed = forward_positions(t, micro)  # counted on the host
+        self.positions_real += real
+        self.positions += computed
+
     def all_reduce(self, rank: int, world_size: int, device: torch.device) -> tuple[UpdateTotals, list[float]]:
-        """The sums over every rank, and each rank's peak resident memory, in one all-reduce."""
-        names, keys = [f.name for f in fields(self) if f.name != "weighted"], sorted(self.weighted)
+        """The sums over every rank, the largest gap of any rank, and each rank's peak resident memory, in one
+        all-reduce (each rank's own figures in slots of their own, which the sum keeps apart)."""
+        names = [f.name for f in fields(self) if f.name not in ("weighted", "logprob_diff_max")]
+        keys = sorted(self.weighted)
         local = [getattr(self, name) for name in names] + [self.weighted[key] for key in keys]
-        rss = [0.0] * world_size
-        rss[rank] = peak_rss_mb()
+        rss, gaps = [0.0] * world_size, [0.0] * world_size
+        rss[rank], gaps[rank] = peak_rss_mb(), self.logprob_diff_max
         dtype = torch.float32 if device.type == "tpu" else torch.float64
         # NCCL reduces device tensors only; numbers of the host join the device's sums there
-        summed = torch.stack([torch.as_tensor(value, device=device).to(dtype) for value in local + rss])
+        summed = torch.stack([torch.as_tensor(value, device=device).to(dtype) for value in local + rss + gaps])
         dist.all_reduce(summed)
         values = summed.tolist()  # the step's one read of the device
-        total = UpdateTotals(**dict(zip(names, values)), weighted=dict(zip(keys, values[len(names) : len(local)])))
-        return total, values[len(local) :]
+        rank_rss, rank_gaps = values[len(local) : len(local) + world_size], values[len(local) + world_size :]
+        total = UpdateTotals(
+            **dict(zip(names, values)),
+            logprob_diff_max=max(rank_gaps),
+            weighted=dict(zip(keys, values[len(names) : len(local)])),
+        )
+        return total, rank_rss
 
 
 def step_metrics(
@@ -79,7 +125,8 @@ def step_metrics(
         "actor/loss": total.loss / (world_size * updates),  # the mean of the updates' losses
         "actor/updates": float(updates),
         "actor/entropy": total.entropy / tokens,
-        "actor/logprob_diff": total.logprob_diff / tokens,
+        "actor/logprob_diff": total.logprob_diff / tokens,  # the mean per token
+        "actor/logprob_diff_max": total.logprob_diff_max,  # the largest of a token
         "actor/grad_norm": grad_norm,
         "actor/lr": lr,
         "time/train_s": seconds,
@@ -124,6 +171,7 @@ class PolicyUpdate:
         # bypass_mode is verl's name for a loss whose old logprobs are the sampler's
         bypass = value_of(cfg.actor.policy_loss.loss_mode) == "bypass_mode"
         self.old_logprob_source = "sampler" if bypass else value_of(cfg.actor.old_logprob_source)
+        self.stochastic = trains_stochastically(model)  # dropout (the reference model has the same architecture)
         self.skip_zero_advantage_rows = (
             cfg.trainer.skip_zero_advantage_rows is not False
             and algorithms.why_zero_advantage_rows_count(cfg.actor) is None
@@ -133,7 +181,8 @@ class PolicyUpdate:
         """PPO updates on one batch: `actor.ppo_epochs` passes over its mini-batches, one optimizer step each.
 
         The PPO ratio's old logprobs are those of the weights before the first update (or the sampler's,
-        `actor.old_logprob_source`); with a single update they are the current ones, taken from its forward.
+        `actor.old_logprob_source`); with a single update they are the current ones, taken from its forward (unless
+        dropout makes that forward a draw).
         """
         start = time.perf_counter()
         self.borrower.poll()  # the engines may have work again since the last step
@@ -148,7 +197,8 @@ class PolicyUpdate:
             # compiled shapes (seq_buckets): whole micro-batches only, so no step brings a new row count
             multiple = self.world_size * (self.cfg.trainer.micro_batch_size if self.cfg.trainer.seq_buckets else 1)
             minis = [mini.rows_with_signal(multiple) for mini in minis]
-        prepared = [self._prepare(mini, single_update=len(minis) * actor.ppo_epochs == 1) for mini in minis]
+        single_update = len(minis) * actor.ppo_epochs == 1 and not self.stochastic
+        prepared = [self._prepare(mini, single_update) for mini in minis]
         totals = UpdateTotals()
         grad_norms = []
         for epoch in range(actor.ppo_epochs):
@@ -202,7 +252,12 @@ class PolicyUpdate:
         or these weights' before the batch's first update."""
         if self.old_logprob_source == "sampler":
             return t["sampler_logprobs"]
-        return self._logprobs(self.model, t, temperature, False)[0]
+        return self._fixed_logprobs(self.model, t, temperature)
+
+    def _fixed_logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """A fixed policy's logprobs, one value per token (not a draw of dropout)."""
+        with evaluating(model, self.stochastic):
+            return self._logprobs(model, t, temperature, False)[0]
 
     def _logprobs(
         self, model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float, with_entropy: bool
@@ -213,9 +268,9 @@ class PolicyUpdate:
     def _reference_logprobs(self, t: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
         """The reference policy's logprobs: the reference model's, or a LoRA policy's base (its adapters off)."""
         if self.ref_model is not None:
-            return self._logprobs(self.ref_model, t, temperature, False)[0]
+            return self._fixed_logprobs(self.ref_model, t, temperature)
         with adapters_off(self.model):
-            return self._logprobs(self.model, t, temperature, False)[0]
+            return self._fixed_logprobs(self.model, t, temperature)
 
     def token_kl(self, batch: TrainBatch) -> list[list[float]]:
         """This rank's slice of the batch: each completion token's KL (`algorithm.kl_penalty`) between the policy
@@ -270,12 +325,7 @@ class PolicyUpdate:
         for key, value in {**metrics, **is_metrics}.items():
             totals.weighted[key] += value * n_tok  # token-weighted average over micro-batches and updates
         if first_epoch:  # what the batch is, measured once: before any update changed the policy
-            totals.entropy += (entropy.detach() * mask).sum()
-            totals.logprob_diff += ((old_log_prob - t["sampler_logprobs"]).abs() * mask).sum()
-            totals.tokens += n_tok
-            real, computed = forward_positions(t, micro)  # counted on the host
-            totals.positions_real += real
-            totals.positions += computed
+            totals.measure(micro, t, entropy, old_log_prob)
 
     def _optimizer_step(self) -> float:
         """Clip and apply the accumulated gradient; a non-finite one is dropped. Returns the gradient norm."""

@@ -25,6 +25,7 @@ STEP_KEYS = {
     "actor/entropy",
     "actor/grad_norm",
     "actor/logprob_diff",
+    "actor/logprob_diff_max",
     "time/generate_s",
     "time/reward_s",
     "time/train_s",

@@ -146,3 +146,40 @@ def test_a_checkpoint_resumes_only_over_its_own_base_and_kind(tmp_path):
         check_lora_base(tmp_path, None)
     with pytest.raises(ValueError, match="holds full weights and this run trains a LoRA adapter"):
         check_lora_base(tmp_path / "full", "a1b2c3")
+
+
+def test_with_dropout_the_old_and_reference_logprobs_are_one_value_per_token(tiny_model_dir):
+    """`actor.lora.lora_dropout` > 0 makes a train-mode forward a draw; the logprobs of the policy that sampled the
+    batch, and of the reference, are taken in eval mode (as the engine samples): two computations agree exactly,
+    and a batch that carries them as the engine's logprobs shows no gap, even with one update a step."""
+    import dataclasses
+
+    from conftest import free_port, make_batch
+
+    from rl_tpu.trainer.worker import TrainerWorker
+
+    cfg = RunConfig()
+    cfg.device, cfg.model.dtype, cfg.trainer.micro_batch_size = "cpu", "float32", 8
+    cfg.trainer.share_prompts = cfg.trainer.skip_zero_advantage_rows = False
+    cfg.actor.lora = LoraConfig(lora_rank=8, lora_alpha=16, lora_dropout=0.5)
+    threads = torch.get_num_threads()
+    worker = TrainerWorker(cfg, str(tiny_model_dir), 0, 1, "127.0.0.1", free_port())
+    try:
+        with torch.no_grad():  # lora_B starts at 0, where dropout on the adapter's input changes nothing
+            for name, param in worker.model.named_parameters():
+                if ".lora_B." in name:
+                    param.normal_(0, 0.05)
+        batch, update = make_batch(), worker.update
+        t = update._padded(batch)
+        with torch.no_grad():
+            drawn = [update._logprobs(worker.model, t, batch.temperature, False)[0] for _ in range(2)]
+            assert (drawn[0] - drawn[1]).abs().max() > 1e-3  # train mode: dropout draws
+            old = [update._sampling_policy_logprobs(t, batch.temperature) for _ in range(2)]
+            torch.testing.assert_close(old[0], old[1], rtol=0, atol=0)
+        assert worker.token_kl(batch) == worker.token_kl(batch)  # the KL in the reward: policy and reference
+        engine = [row[: len(ids)].tolist() for row, ids in zip(old[0], batch.completion_ids)]
+        metrics = worker.train_step(dataclasses.replace(batch, sampler_logprobs=engine))
+        assert metrics["actor/logprob_diff_max"] < 1e-6 and metrics["actor/logprob_diff"] < 1e-7, metrics
+    finally:
+        worker.shutdown()
+        torch.set_num_threads(threads)

@@ -166,3 +166,8 @@ def test_ranks_whose_completions_differ_in_length_run_the_same_forwards(tiny_mod
     assert finished is not None, "a rank did not finish its step within 180 s: the ranks' collectives deadlocked"
     assert all(isinstance(m, dict) for m in finished.values()), finished
     assert finished[0]["actor/loss"] == finished[1]["actor/loss"]  # summed over both ranks: the same step
+    # the largest engine-trainer gap of any token, whichever rank holds it: that of one rank given every row
+    single = one_step(tiny_model_dir, mixed, sort_by_length=False)[0]["actor/logprob_diff_max"]
+    assert finished[0]["actor/logprob_diff_max"] == finished[1]["actor/logprob_diff_max"]
+    assert finished[0]["actor/logprob_diff_max"] == pytest.approx(single, rel=1e-5)
+    assert single > finished[0]["actor/logprob_diff"] > 0
