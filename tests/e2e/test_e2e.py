@@ -131,6 +131,7 @@ def test_metrics_are_well_formed(three_step_run):
         assert 0.0 < row["time/publish_s"] < row["time/sync_s"]  # the engines' receive is the rest
         assert 0.0 <= row["reward/mean"] <= 1.0 and row["perf/train_tokens"] > 0
         assert row["actor/logprob_diff"] < 1e-5, "sampler and trainer disagree on the logprobs of the same tokens"
+        assert row["actor/logprob_diff_max"] < 1e-4, "a token's logprob differs between sampler and trainer"
     assert "held-out accuracy:" in result.stdout
     assert (root / "run" / "resolved_config.yaml").is_file()
 
