@@ -19,6 +19,7 @@ from rl_tpu.outputs.report import FAILED_FILE
 
 register_configs()
 log = logging.getLogger("rl_tpu")
+HYDRA_RECORD = ".hydra"  # where Hydra keeps a run's settings, by default
 
 
 def resume_command(run_dir: Path) -> str:
@@ -31,6 +32,19 @@ def resume_command(run_dir: Path) -> str:
     return shlex.join(["python", "-m", "rl_tpu.main", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
 
 
+def record_run(run_dir: Path, cfg: DictConfig) -> None:
+    """The run's settings, written into its folder once its checks have passed (a refused run leaves the folder as
+    it was): resolved_config.yaml, and Hydra's own record in .hydra/, which Hydra is told not to write before the
+    run starts (hydra.output_subdir: null in configs/config.yaml)."""
+    (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    record = run_dir / HYDRA_RECORD
+    record.mkdir(exist_ok=True)
+    hydra_cfg = HydraConfig.instance().cfg  # as Hydra writes them: the task's settings, Hydra's, the overrides
+    overrides = hydra_cfg.hydra.overrides.task
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", hydra_cfg), ("overrides.yaml", overrides)):
+        (record / name).write_text(OmegaConf.to_yaml(node))
+
+
 def run_task(cfg: DictConfig) -> float:
     """One run (or one sweep trial) in the folder Hydra chose; returns the final held-out accuracy."""
     from rl_tpu.controller import evaluation
@@ -39,20 +53,28 @@ def run_task(cfg: DictConfig) -> float:
     from rl_tpu.outputs import checkpoints
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     run_cfg: RunConfig = OmegaConf.to_object(cfg)
+    checked = False
+
+    def on_checked() -> None:
+        nonlocal checked
+        checked = True
+        record_run(run_dir, cfg)
+
     try:
-        summary = run(run_cfg, run_dir)
+        summary = run(run_cfg, run_dir, on_checked=on_checked)
     except RunInterrupted as stopped:  # preemption or Ctrl-C: saved, stop with the shell's status for the signal
         print(f"{stopped}. Continue with:\n  {resume_command(run_dir)}", flush=True)
         sys.exit(143 if stopped.signal_name == "SIGTERM" else 130)
     except Exception:
-        if checkpoints.complete(run_dir):
+        if checked and checkpoints.complete(run_dir):  # not after a refusal: the command would be refused again
             log.error("the run failed; it can continue from its newest checkpoint with:\n  %s", resume_command(run_dir))
         if HydraConfig.get().mode != RunMode.MULTIRUN:
             raise
-        # one failed trial must not end the sweep: record it, and the summary lists it as failed
+        # one failed trial must not end the sweep: record it, and the summary lists it as failed, with its overrides
         log.exception("trial %s failed", run_dir.name)
+        if not checked:
+            record_run(run_dir, cfg)
         (run_dir / FAILED_FILE).write_text(traceback.format_exc())
         return float("nan")
     plots = f"; plots in {run_dir / PLOTS_DIR}" if (run_dir / PLOTS_DIR).is_dir() else ""

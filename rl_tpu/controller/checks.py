@@ -113,17 +113,67 @@ RESUME_MAY_CHANGE = (
 )
 
 
-def check_resumed_settings(checkpoint: Path, settings: dict, allow_changes: list[str]) -> dict[str, tuple]:
+# Keys that decide which rows share a micro-batch: under the losses that pick tokens by statistics of the rows they
+# see (`algorithms.MICRO_BATCH_STATISTIC_LOSSES`), changing one changes the loss itself, so a resume may not
+MICRO_BATCH_KEYS = ("trainer.micro_batch_size", "trainer.world_size", "trainer.sort_by_length")
+# `data.` keys that shape training alone; every other one may change the held-out set
+TRAINING_ONLY_DATA_KEYS = ("data.train_files", "data.train_batch_size", "data.shuffle_seed")
+
+
+def check_resumed_settings(
+    checkpoint: Path, settings: dict, allow_changes: list[str], continues_folder: bool = False
+) -> dict[str, tuple]:
     """Compare the run's `settings` with those of the run that wrote `checkpoint`; refuse a change that alters what
-    the run learns unless `allow_changes` (trainer.resume_allow_changes) names it. Returns every change."""
+    the run learns unless `allow_changes` (trainer.resume_allow_changes) names it. Returns every change.
+
+    `continues_folder`: the run continues the checkpoint's own folder, whose held-out accuracies so far it keeps;
+    a change of the held-out set is then refused, since the run would report a gain between two different sets."""
     changed = checkpoints.changed_settings(checkpoints.saved_settings(checkpoint), settings)
-    allowed = (*RESUME_MAY_CHANGE, *allow_changes)
-    refused = {key: values for key, values in changed.items() if not key.startswith(allowed)}
+    loss = settings["actor"]["policy_loss"]["loss_mode"]
+    splits_matter = loss in algorithms.MICRO_BATCH_STATISTIC_LOSSES
+    may_change = tuple(k for k in RESUME_MAY_CHANGE if not (splits_matter and k in MICRO_BATCH_KEYS))
+    refused = {key: values for key, values in changed.items() if not key.startswith((*may_change, *allow_changes))}
     if refused:
         listed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(refused.items()))
+        why = (
+            f" (under actor.policy_loss.loss_mode={loss} the loss picks its tokens by statistics of each "
+            f"micro-batch, whose rows {', '.join(MICRO_BATCH_KEYS)} decide)"
+            if splits_matter and set(refused) & set(MICRO_BATCH_KEYS)
+            else ""
+        )
         raise ValueError(
-            f"{checkpoint} was written by a run with other settings, which change what the run learns: {listed}. "
-            f"Resume with the checkpoint's values, or change them anyway with "
+            f"{checkpoint} was written by a run with other settings, which change what the run learns: {listed}"
+            f"{why}. Resume with the checkpoint's values, or change them anyway with "
             f"trainer.resume_allow_changes=[{','.join(sorted(refused))}]"
         )
+    held_out = sorted(k for k in changed if k.startswith("data.") and not k.startswith(TRAINING_ONLY_DATA_KEYS))
+    if continues_folder and held_out:
+        listed = ", ".join(f"{key}: {changed[key][0]!r} -> {changed[key][1]!r}" for key in held_out)
+        raise ValueError(
+            f"resuming {checkpoint} in its own run folder with another held-out set ({listed}) would report a "
+            "held-out gain between two different sets. Keep the held-out settings, or resume into a new run folder "
+            f"(trainer.resume_from={checkpoint} with another hydra.run.dir), whose held-out baseline is then this "
+            "checkpoint's policy on the new set"
+        )
     return changed
+
+
+def check_resume_files(checkpoint: Path, kl_in_reward: bool, replay_queued: bool) -> None:
+    """Read every file a resume from `checkpoint` will read, before Ray starts: the driver's (`kl_in_reward`: the
+    KL controller's; `replay_queued`: the generations queued ahead), and the ranks' shards, whole as the checkpoint's
+    metadata lists them. One that is missing or cut short refuses the resume now, not once the actors have started."""
+    checkpoints.data_position(checkpoint)
+    if kl_in_reward:
+        checkpoints.kl_coef(checkpoint)
+    if replay_queued:
+        checkpoints.queued_generations(checkpoint)
+    ends: dict[str, int] = {}  # each shard file's length, by where its last stored item ends
+    for info in check_metadata(checkpoint).storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(ends.items()):
+        shard = checkpoint / name
+        if not shard.is_file() or shard.stat().st_size < size:
+            raise FileNotFoundError(
+                f"{checkpoint}: its shard {name} is missing or shorter than its metadata says ({size} bytes): a "
+                "copy cut short? Resume from another checkpoint with trainer.resume_from=RUN/checkpoints/step_N"
+            )

@@ -105,9 +105,11 @@ def describe(summary: dict[str, float]) -> str:
     def change(start: float, final: float) -> str:
         return f"{100 * start:.1f}% -> {100 * final:.1f}%" if trained else f"{100 * start:.1f}%"
 
+    # the baseline is the folder's first evaluation: step 0, or the checkpoint's step of a run resumed into a new folder
+    start = f"step {summary['eval/start_step']:.0f}"
     parts = [
         f"held-out accuracy: {change(summary['eval/accuracy_start'], summary['eval/accuracy_final'])}"
-        + (" (step 0 -> mean of the last evaluations)" if trained else " (evaluation only)")
+        + (f" ({start} -> mean of the last evaluations)" if trained else " (evaluation only)")
     ]
     parts += [
         f"{key.removeprefix('eval/').removesuffix('_start')} {change(value, summary[key[:-6] + '_final'])}"

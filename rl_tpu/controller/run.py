@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import yaml
@@ -30,7 +30,7 @@ from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
 from rl_tpu.controller import evaluation, memory_plan
 from rl_tpu.controller.actors import Workers, start_workers, tool_settings
-from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resumed_settings, validate
+from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resume_files, check_resumed_settings, validate
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
 from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue, dump_rows
 from rl_tpu.controller.step import grpo_step
@@ -117,7 +117,7 @@ def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, Path | Non
     step = checkpoints.step_of(checkpoint)
     workers.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
     workers.install(workers.publish(step))
-    job.logger.truncate_after(step if checkpoint.is_relative_to(job.run_dir) else None)
+    job.logger.truncate_after(step if checkpoints.in_folder(checkpoint, job.run_dir) else None)
     log.info("resumed from %s at step %d", checkpoint, step)
     return step, checkpoint
 
@@ -212,9 +212,13 @@ def tool_schemas(cfg: RunConfig) -> list[dict] | None:
         toolbox.close()
 
 
-def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, float]:
+def run(
+    cfg: RunConfig, run_dir: Path, show_progress: bool = True, on_checked: Callable[[], None] = lambda: None
+) -> dict[str, float]:
     """Train as configured, writing metrics and the export into `run_dir`; returns the summary.
 
+    Every check comes first, writing nothing: a refused run leaves `run_dir` as it was. `on_checked` is called once
+    they have all passed, before anything is written into `run_dir` or started.
     Raises `RunInterrupted` when SIGTERM or SIGINT stopped it early (after saving a checkpoint).
     """
     from transformers import AutoTokenizer
@@ -225,17 +229,21 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     resuming = checkpoints.resume_point(run_dir, value_of(cfg.trainer.resume) == "auto", cfg.trainer.resume_from)
     changed = {}
     if resuming is not None:
-        changed = check_resumed_settings(resuming, yaml.safe_load(settings), cfg.trainer.resume_allow_changes)
-        for key, (old, new) in sorted(changed.items()):
-            log.info("resuming from %s with %s=%r (it was written with %r)", resuming, key, new, old)
+        own = checkpoints.in_folder(resuming, run_dir)
+        changed = check_resumed_settings(resuming, yaml.safe_load(settings), cfg.trainer.resume_allow_changes, own)
     # a change the user allowed may change what the queued generations would be: they are made again
     replay_queued = all(key.startswith(RESUME_MAY_CHANGE) for key in changed)
+    if resuming is not None:
+        check_resume_files(resuming, cfg.algorithm.use_kl_in_reward, replay_queued)
     cache_dir = cache_path(cfg)
     model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
     check_inputs(cfg, model_path, train_examples)
     memory_plan.check(cfg, model_path)  # logged, and refused past a device's memory, before Ray starts
+    on_checked()
+    for key, (old, new) in sorted(changed.items()):
+        log.info("resuming from %s with %s=%r (it was written with %r)", resuming, key, new, old)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     grader = Grader(cfg.reward, cfg.custom_reward_function, str(run_dir / "logs"))
     show_progress = show_progress and Tracker.console in cfg.trainer.logger
@@ -272,6 +280,7 @@ def run(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, 
     evals = logger.evals()
     summary = {
         "eval/accuracy_start": evals[0],
+        "eval/start_step": float(next(r["step"] for r in logger.records if "eval/accuracy" in r)),
         "eval/accuracy_final": final_accuracy(evals),
         **evaluation.pass_at_k_summary(logger.records),
         "steps": cfg.trainer.total_steps,

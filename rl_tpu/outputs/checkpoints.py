@@ -68,6 +68,11 @@ def resume_point(run_dir: Path, this_run: bool, resume_from: str | None) -> Path
     return latest(Path(resume_from).expanduser()) if resume_from else None
 
 
+def in_folder(checkpoint: Path, run_dir: Path) -> bool:
+    """Whether `checkpoint` is one of `run_dir`'s own: a run resuming from it continues the folder's metrics."""
+    return checkpoint.resolve().is_relative_to(run_dir.resolve())
+
+
 DATA_POSITION = "data.json"
 KL_COEF = "kl_ctrl.json"
 SETTINGS = "config.yaml"  # the run's settings as given (before anything was derived from them)

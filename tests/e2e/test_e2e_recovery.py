@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import actor_pid, run_cli, start_cli, wait_for_step
+from conftest import REPO, actor_pid, cli_command, run_cli, start_cli, wait_for_step
 from test_e2e import assert_same_steps
 
 from rl_tpu.outputs.metrics import read_metrics
@@ -154,3 +155,31 @@ def test_a_second_sigterm_while_a_reward_hangs_ends_the_driver_at_once_and_no_wo
     process.wait(timeout=90)
     _, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive, [p.pid for p in alive]
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_resume_leaves_the_run_folder_as_it_was(six_step_run, tmp_path):
+    """Refused before Ray starts, for changed settings, for another held-out set in the same folder, and for a
+    checkpoint missing a file the resume reads: every file of the folder keeps its bytes (resolved_config.yaml and
+    .hydra/ among them), and no line offers the refused command as a way to continue."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(six_step_run, run_dir)  # the session's run stays as it is
+    cache = six_step_run.parent / "cache"  # the refusals come before the cache is read
+    refusals = [
+        ("model.dtype=bfloat16", "model.dtype: 'float32' -> 'bfloat16'. Resume with the checkpoint's values"),
+        ("data.val_max_samples=8", "in its own run folder with another held-out set (data.val_max_samples: None -> 8)"),
+        ("trainer.total_steps=6", "step_6 has no queued.json (the generations queued ahead)"),
+    ]
+    for override, message in refusals:
+        if "queued.json" in message:
+            (run_dir / "checkpoints" / "step_6" / "queued.json").unlink()
+        before = folder_bytes(run_dir)
+        command = cli_command(run_dir, cache, "trainer.total_steps=6", "trainer.resume=auto", override)
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        output = result.stdout + result.stderr
+        assert result.returncode == 1 and message in result.stderr, output[-3000:]
+        assert "Started a local Ray instance" not in output and "it can continue" not in output
+        assert folder_bytes(run_dir) == before

@@ -466,6 +466,32 @@ def test_rows_kept_for_the_gradient_split_evenly_over_ranks():
     assert len(none.rows_with_signal(2)) == 2  # one row per rank: every rank still steps its optimizer
 
 
+@pytest.mark.parametrize("mode", [m.value for m in LossMode])
+def test_only_the_listed_losses_depend_on_which_rows_share_a_micro_batch(mode):
+    """trainer.micro_batch_size, world_size and sort_by_length decide which rows share a micro-batch. A resume may
+    change them (controller/checks.py) under every loss but those `MICRO_BATCH_STATISTIC_LOSSES` lists: the loss
+    and gradients of any split equal those of the whole batch at once, and under each listed loss they do not."""
+    model, batch = small_model(), make_batch()
+    actor = actor_config(mode, "token-mean")
+    whole = our_loss_and_grads(model, batch, actor, micro_size=8)
+    ranks = [our_loss_and_grads(model, batch.shard(r, 2), actor, 8, dp_size=2, global_batch=batch) for r in (0, 1)]
+    splits = {
+        "micro_batch_size=3": our_loss_and_grads(model, batch, actor, micro_size=3),
+        "sort_by_length, micro_batch_size=3": our_loss_and_grads(model, batch.sorted_by_length(), actor, 3),
+        "world_size=2": (  # FSDP averages the ranks' gradients
+            (ranks[0][0] + ranks[1][0]) / 2,
+            {name: (ranks[0][1][name] + ranks[1][1][name]) / 2 for name in whole[1]},
+        ),
+    }
+    differ = []
+    for split, result in splits.items():
+        try:
+            assert_same(result, whole)
+        except AssertionError:
+            differ.append(split)
+    assert differ == (list(splits) if mode in algorithms.MICRO_BATCH_STATISTIC_LOSSES else [])
+
+
 def test_a_batch_that_would_give_ranks_unequal_shares_is_refused():
     """Unequal shares would run unequal numbers of forwards, and FSDP's paired collectives would hang the step."""
     batch = make_batch(seed=3, size=6)

@@ -83,11 +83,14 @@ def test_the_summary_takes_the_first_and_last_sampled_evaluations():
         "eval/pass@1_final": 0.7,
         "eval/pass@2_final": 0.8,
     }
-    line = describe({"eval/accuracy_start": 0.5, "eval/accuracy_final": 0.65, **summary, "steps": 3, "time/wall_s": 12})
+    run = {"eval/accuracy_start": 0.5, "eval/accuracy_final": 0.65, **summary, "steps": 3, "time/wall_s": 12}
+    line = describe({**run, "eval/start_step": 0.0})
     assert line == (
         "held-out accuracy: 50.0% -> 65.0% (step 0 -> mean of the last evaluations); pass@1 40.0% -> "
         "70.0%; pass@2 60.0% -> 80.0%; wall time 12 s"
     )
+    # resumed into a new folder: its baseline is the checkpoint's policy on this run's held-out set, at its step
+    assert "(step 2 -> mean of the last evaluations)" in describe({**run, "eval/start_step": 2.0})
     assert pass_at_k_summary(records[1:3]) == {}
     only = describe(
         {
@@ -95,6 +98,7 @@ def test_the_summary_takes_the_first_and_last_sampled_evaluations():
             "eval/accuracy_final": 0.5,
             "eval/pass@1_start": 0.4,
             "eval/pass@1_final": 0.4,
+            "eval/start_step": 0.0,
             "steps": 0,
             "time/wall_s": 3,
         }

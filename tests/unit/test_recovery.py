@@ -10,6 +10,7 @@ import yaml
 from conftest import compose_run
 
 from rl_tpu.cluster.calls import ActorError
+from rl_tpu.controller import checks
 from rl_tpu.controller.checks import validate
 from rl_tpu.controller.recovery import SkippedStepGuard, StopRequest, with_restarts
 from rl_tpu.controller.run import check_inputs
@@ -68,6 +69,93 @@ def test_a_resume_refuses_settings_that_change_what_is_learned_unless_allowed(tm
     (folder / checkpoints.SETTINGS).unlink()
     with pytest.raises(FileNotFoundError, match="has no config.yaml"):
         check_resumed_settings(folder, settings(), [])
+
+
+def saved_run(folder, **changes) -> dict:
+    """The settings of a default run with `changes` (section__key=value), as a checkpoint's config.yaml holds them."""
+    from omegaconf import OmegaConf
+
+    from rl_tpu.config import RunConfig
+
+    cfg = RunConfig()
+    for key, value in changes.items():
+        *sections, name = key.split("__")
+        section = cfg
+        for part in sections:
+            section = getattr(section, part)
+        setattr(section, name, value)
+    settings = yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    (folder / checkpoints.SETTINGS).write_text(yaml.safe_dump(settings))
+    return settings
+
+
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov", "geo_mean", "vanilla"])
+def test_a_resume_keeps_the_micro_batches_under_the_losses_that_depend_on_them(tmp_path, loss):
+    """clip_cov and kl_cov pick tokens by statistics of each micro-batch (test_algorithms.py checks which losses do):
+    a resume that changes which rows share one changes their loss, and is refused naming the keys and the loss."""
+    from rl_tpu.algorithms import core as algorithms
+    from rl_tpu.controller.checks import check_resumed_settings
+
+    folder = make_checkpoint(tmp_path, "step_3")
+    saved_run(folder, actor__policy_loss__loss_mode=loss)
+    resplit = dict(trainer__micro_batch_size=2, trainer__world_size=2, trainer__sort_by_length=False)
+    now = saved_run(tmp_path, actor__policy_loss__loss_mode=loss, **resplit)
+    if loss not in algorithms.MICRO_BATCH_STATISTIC_LOSSES:
+        assert set(check_resumed_settings(folder, now, [])) == set(checks.MICRO_BATCH_KEYS)
+        return
+    with pytest.raises(ValueError, match=r"trainer.micro_batch_size: 64 -> 2, trainer.sort_by_length: True -> False, "
+                       rf"trainer.world_size: 1 -> 2 \(under actor.policy_loss.loss_mode={loss} the loss picks its "
+                       r"tokens by statistics of each micro-batch"):  # fmt: skip
+        check_resumed_settings(folder, now, [])
+    check_resumed_settings(folder, now, list(checks.MICRO_BATCH_KEYS))  # named: changed anyway, as any other key
+
+
+def test_a_resume_in_the_same_folder_keeps_the_held_out_set(tmp_path):
+    """The folder's held-out accuracies so far are on the checkpoint's set: a gain to another set means nothing.
+    A new folder (trainer.resume_from) starts its held-out baseline afresh, on the new set."""
+    from rl_tpu.controller.checks import check_resumed_settings
+
+    folder = make_checkpoint(tmp_path, "step_3")
+    saved_run(folder)
+    for key, value in [("data__val_max_samples", 64), ("data__val_files", "other.parquet")]:
+        now = saved_run(tmp_path, **{key: value})
+        dotted = key.replace("__", ".")
+        assert dotted in check_resumed_settings(folder, now, [])  # into a new folder
+        with pytest.raises(ValueError, match=rf"in its own run folder with another held-out set \({dotted}: .*"
+                           rf"trainer.resume_from={folder} with another hydra.run.dir"):  # fmt: skip
+            check_resumed_settings(folder, now, [], continues_folder=True)
+    now = saved_run(tmp_path, data__num_eval=64)  # the arithmetic task's held-out set, allowed by name
+    with pytest.raises(ValueError, match=r"another held-out set \(data.num_eval: 512 -> 64\)"):
+        check_resumed_settings(folder, now, ["data.num_eval"], continues_folder=True)
+    now = saved_run(tmp_path, data__shuffle_seed=5)  # the training order only
+    assert check_resumed_settings(folder, now, ["data.shuffle_seed"], continues_folder=True)
+
+
+def test_every_file_a_resume_reads_is_checked_before_ray_starts(tmp_path):
+    """The driver's files and the ranks' shards (whole, as the metadata lists them) of a checkpoint are read by the
+    checks before Ray starts: one that is missing or cut short refuses the resume there, naming it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "checkpoints" / "step_2"
+    dcp.save({"model": {"w": torch.arange(1000.0)}}, checkpoint_id=str(folder))
+    for name, text in checkpoints.driver_files(2, 0.1).items():
+        (folder / name).write_text(text)
+    checks.check_resume_files(folder, kl_in_reward=True, replay_queued=True)
+    (shard,) = folder.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(FileNotFoundError, match=f"its shard {shard.name} is missing or shorter than its metadata"):
+        checks.check_resume_files(folder, kl_in_reward=False, replay_queued=False)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"its shard {shard.name} is missing"):
+        checks.check_resume_files(folder, kl_in_reward=False, replay_queued=False)
+    for name, needed in [(checkpoints.QUEUED, "replay_queued"), (checkpoints.KL_COEF, "kl_in_reward")]:
+        (folder / name).unlink()
+        with pytest.raises(FileNotFoundError, match=f"has no {name}"):
+            checks.check_resume_files(folder, **{"kl_in_reward": False, "replay_queued": False, needed: True})
+    (folder / checkpoints.DATA_POSITION).unlink()
+    with pytest.raises(FileNotFoundError, match="has no data.json"):
+        checks.check_resume_files(folder, kl_in_reward=False, replay_queued=False)
 
 
 def test_keep_last_keeps_exactly_the_newest_and_clears_interrupted_saves(tmp_path):
