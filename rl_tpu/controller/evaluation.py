@@ -86,16 +86,14 @@ def start_eval(samplers: SamplerPool, examples: list[Example], cfg: RunConfig, w
 
 
 def pass_at_k_summary(records: list[dict]) -> dict[str, float]:
-    """`eval/pass@K_start` and `eval/pass@K_final`: the first and the last evaluation that sampled."""
+    """`eval/pass@K_start` and `eval/pass@K_final`: the first and the last evaluation that sampled, for each K both
+    have (a resume may change trainer.eval_pass_k: either count of samples estimates the same pass@K)."""
     sampled = [r for r in records if any(key.startswith("eval/pass@") for key in r)]
     if not sampled:
         return {}
-    return {
-        f"{key}_{when}": record[key]
-        for when, record in (("start", sampled[0]), ("final", sampled[-1]))
-        for key in record
-        if key.startswith("eval/pass@")
-    }
+    first, last = sampled[0], sampled[-1]
+    both = [key for key in first if key.startswith("eval/pass@") and key in last]
+    return {f"{key}_{when}": record[key] for when, record in (("start", first), ("final", last)) for key in both}
 
 
 def describe(summary: dict[str, float]) -> str:

@@ -92,6 +92,9 @@ def test_the_summary_takes_the_first_and_last_sampled_evaluations():
     # resumed into a new folder: its baseline is the checkpoint's policy on this run's held-out set, at its step
     assert "(step 2 -> mean of the last evaluations)" in describe({**run, "eval/start_step": 2.0})
     assert pass_at_k_summary(records[1:3]) == {}
+    # resumed with trainer.eval_pass_k=1: pass@2 has no final value, and is left out rather than failing the summary
+    fewer = [*records, {"step": 4, "eval/accuracy": 0.7, "eval/pass@1": 0.75}]
+    assert pass_at_k_summary(fewer) == {"eval/pass@1_start": 0.4, "eval/pass@1_final": 0.75}
     only = describe(
         {
             "eval/accuracy_start": 0.5,
