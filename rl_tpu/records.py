@@ -32,6 +32,10 @@ class EpisodeStats:
     turn_starts: list[int] = field(default_factory=list)  # where each model turn starts in the completion ids
     # where the final model turn's answer ends: before its first tool call (run, left unrun or cut), else its end
     answer_end: int = 0
+    # the per-episode tool whose instance was lost with its worker after a call of it succeeded: the episode's state
+    # and tool reward are gone, and it is left out of the loss (None: nothing lost)
+    lost_instance: str | None = None
+    dropped_result_tokens: int = 0  # a tool result that did not fit (the episode ended, truncated): its tokens
 
 
 @dataclass

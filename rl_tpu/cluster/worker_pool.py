@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import io
+import logging
 import math
 import os
 import resource
@@ -30,7 +31,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterable
 
+log = logging.getLogger(__name__)
+
 START_TIMEOUT_S = 120
+# A worker that cannot be replaced (its code no longer loads, its server is unreachable) leaves its place down: the
+# place is tried again after RESTART_BACKOFF_S, doubling, and given up after MAX_FAILED_STARTS failed starts in a row
+RESTART_BACKOFF_S = 1.0
+MAX_FAILED_STARTS = 5
 # What a worker keeps of this process's environment without `pass_env`: enough to run Python and find temporary
 # storage, and nothing that usually holds a secret (tokens, keys, passwords).
 BASE_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONHASHSEED")
@@ -148,6 +155,18 @@ class _Worker:
     source: deque | None = None  # the queue its share came from (where the unanswered rest goes back)
 
 
+@dataclass
+class _Down:
+    """A place whose worker could not be started again: its items fail at once until a start succeeds."""
+
+    error: str  # why the last start failed
+    failed_starts: int  # in a row
+    retry_at: float  # `time.monotonic()` of the next try; inf once MAX_FAILED_STARTS are spent
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+
 class WorkerPool:
     """`count` workers of `module`; `run` spreads items over them with a deadline of `timeout_s` per item."""
 
@@ -163,11 +182,12 @@ class WorkerPool:
         log_path: str | None = None,
     ):
         """`what` names the workers in errors ("reward worker for gsm8k"); `error` makes the exception raised when
-        one cannot start (its message given); `log_path`: the file the workers' output is appended to (None: this
-        process's stdout)."""
+        one cannot start at first (its message given; a replacement that cannot start fails its items instead);
+        `log_path`: the file the workers' output is appended to (None: this process's stdout)."""
         self.module, self.setup, self.env, self.timeout_s = module, setup, env, timeout_s
         self.what, self.error, self.log_path = what, error, log_path
-        self.workers = [self._spawn() for _ in range(count)]
+        self.workers: list[_Worker | _Down] = [self._spawn() for _ in range(count)]
+        self.detail = self.workers[0].detail  # what the workers' ready message said (the same for every worker)
         self.closed = False  # set by close(), which another thread may call while `run` waits on the workers
         self.running = False
 
@@ -176,9 +196,8 @@ class WorkerPool:
         return len(self.workers)
 
     @property
-    def detail(self) -> Any:
-        """What the workers' ready message said (the same for every worker)."""
-        return self.workers[0].detail
+    def live(self) -> list[_Worker]:
+        return [w for w in self.workers if isinstance(w, _Worker)]
 
     def run(
         self,
@@ -190,7 +209,8 @@ class WorkerPool:
         route: Callable[[Any], int | None] | None = None,
     ) -> list:
         """Every item's outcome, in order. `failed(kind, message)` is the outcome of an item whose worker timed out
-        ("timeout") or died ("crash"). Batched workers get one share each and a deadline per item in it; the others
+        ("timeout") or died ("crash"), or that no worker could take ("unavailable": its place's worker could not be
+        started again, see `_replace`). Batched workers get one share each and a deadline per item in it; the others
         get small shares (`shares_per_worker` each), so that the load balances, and answer item by item.
 
         `give_up(outcomes)`, asked as answers arrive (None where there is none yet), stops the run early: the busy
@@ -227,10 +247,19 @@ class WorkerPool:
         queue, own_queues = self._shares(items, batched, shares_per_worker, route)
         done = 0
         while done < len(items) and not self.closed:
-            for worker, own in zip(self.workers, own_queues):
-                if not worker.in_flight and (own or queue):
+            for place, own in enumerate(own_queues):
+                if isinstance(self.workers[place], _Down) and (own or queue) and self.workers[place].due():
+                    self._replace(place)
+                worker = self.workers[place]
+                if isinstance(worker, _Down):  # its pinned items cannot wait for it
+                    done += self._fail_all(own, outcomes, failed("unavailable", self._down_message(worker)))
+                elif not worker.in_flight and (own or queue):
                     self._send(worker, own or queue, items, batched)
-            busy = [w for w in self.workers if w.in_flight]
+            busy = [w for w in self.live if w.in_flight]
+            if not busy:  # the rest is in the shared queue and every place is down
+                down = next(w for w in self.workers if isinstance(w, _Down))
+                done += self._fail_all(queue, outcomes, failed("unavailable", self._down_message(down)))
+                continue
             remaining = min(w.deadline for w in busy) - time.monotonic()
             for inbox in wait([w.inbox for w in busy], timeout=max(0.0, remaining)):
                 worker = next(w for w in busy if w.inbox is inbox)
@@ -249,7 +278,9 @@ class WorkerPool:
                     worker.in_flight.remove(position)
                     done += 1
                 worker.deadline = time.monotonic() + self.timeout_s
-            for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline and not self.closed]:
+            # an answer that came while this loop was busy (starting a worker) is read before its deadline counts
+            late = [w for w in busy if w.in_flight and time.monotonic() > w.deadline and not w.inbox.poll()]
+            for worker in [w for w in late if not self.closed]:
                 timeout = failed("timeout", f"no answer within {self.timeout_s:g} s")
                 done += self._lose(worker, outcomes, batched, timeout)
             if give_up is not None and done < len(items) and give_up(outcomes):
@@ -259,11 +290,21 @@ class WorkerPool:
             outcomes = [failed("cancelled", "not run: the pool was closed") if o is None else o for o in outcomes]
         return outcomes
 
+    @staticmethod
+    def _fail_all(source: deque, outcomes: list, outcome: Any) -> int:
+        """Every item still in `source` gets `outcome`; returns how many."""
+        count = 0
+        while source:
+            for position in source.popleft():
+                outcomes[position] = outcome
+                count += 1
+        return count
+
     def _cancel(self, outcomes: list, outcome: Any) -> None:
-        for worker in [w for w in self.workers if w.in_flight]:
+        for worker in [w for w in self.live if w.in_flight]:
             worker.in_flight = deque()
             self._stop(worker, kill=True)
-            self.workers[self.workers.index(worker)] = self._spawn()
+            self._replace(self.workers.index(worker))
         for position, current in enumerate(outcomes):
             if current is None:
                 outcomes[position] = outcome
@@ -273,15 +314,37 @@ class WorkerPool:
         returns at its next wake-up (at once: their pipes close), its unanswered items cancelled."""
         self.closed = True
         if self.running:
-            for worker in self.workers:
+            for worker in self.live:
                 worker.process.kill()
             return
         self._stop_all()
 
     def _stop_all(self) -> None:
-        for worker in self.workers:
+        for worker in self.live:
             self._stop(worker)
         self.workers = []
+
+    def _replace(self, place: int) -> None:
+        """A new worker at `place`. One that cannot start (its code no longer loads, its server is unreachable)
+        leaves the place down: its items fail as "unavailable" while it waits RESTART_BACKOFF_S, doubling, for the
+        next try, and after MAX_FAILED_STARTS tries in a row it is given up. A run stops only when its failure
+        rate says so, not at the first worker that could not be replaced."""
+        old = self.workers[place]
+        failed_starts = old.failed_starts + 1 if isinstance(old, _Down) else 1
+        try:
+            self.workers[place] = self._spawn()
+            return
+        except Exception as err:  # whatever stopped the start: it is the items' failure now
+            error = str(err)
+        backoff = RESTART_BACKOFF_S * 2 ** (failed_starts - 1)
+        retry = math.inf if failed_starts >= MAX_FAILED_STARTS else time.monotonic() + backoff
+        self.workers[place] = down = _Down(error, failed_starts, retry)
+        log.warning("%s", self._down_message(down).splitlines()[0] + " " + error.strip().splitlines()[-1])
+
+    def _down_message(self, down: _Down) -> str:
+        tries = f"{down.failed_starts} of {MAX_FAILED_STARTS} starts failed in a row"
+        then = "given up" if down.retry_at == math.inf else "tried again later"
+        return f"{self.what} could not be started again ({tries}; {then}):\n{down.error}"
 
     def _spawn(self) -> _Worker:
         from_parent, to_child = os.pipe()
@@ -342,5 +405,5 @@ class WorkerPool:
             worker.source.appendleft(rest)
         worker.in_flight = deque()
         self._stop(worker, kill=True)
-        self.workers[self.workers.index(worker)] = self._spawn()
+        self._replace(self.workers.index(worker))
         return len(culprits)

@@ -29,6 +29,9 @@ class EpisodeConfig:
     max_tool_response_chars: int = 256  # a result longer than this is cut (verl: max_tool_response_length)
     tool_response_truncate_side: str = "middle"  # where a long result is cut: left, right, middle (verl's key)
     tool_timeout_s: float = 10.0  # per call; a call past it fails (counted) and its worker is replaced
+    # stop the run when a larger fraction of one batch's tool calls fails (raised, timed out, crashed, returned
+    # garbage, found its worker down), or its first calls all do: as reward.max_failure_rate; 1.0: never stop
+    max_tool_failure_rate: float = 0.1
     tool_workers: int = 2  # tool worker processes per engine
     tool_memory_mb: Optional[int] = 4096  # what each tool worker may allocate beyond its loaded code; null: no limit
     # an episode's reward: the reward plugin's (`reward.*`), the tools' (execute's step rewards plus calc_reward,
@@ -50,6 +53,8 @@ class EpisodeConfig:
             raise ValueError(f"episode.max_tokens={self.max_tokens} must be >= 1 (null: response_length x max_turns)")
         if self.tool_timeout_s <= 0:
             raise ValueError(f"episode.tool_timeout_s={self.tool_timeout_s} must be > 0")
+        if not 0.0 <= self.max_tool_failure_rate <= 1.0:
+            raise ValueError(f"episode.max_tool_failure_rate={self.max_tool_failure_rate} must be in [0, 1]")
         if "{result}" not in self.tool_response_format:
             raise ValueError(f"episode.tool_response_format={self.tool_response_format!r} must contain {{result}}")
         if self.enable and not (self.tools_config_file or self.function_tool_path):

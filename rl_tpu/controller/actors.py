@@ -222,6 +222,7 @@ def tool_settings(cfg: RunConfig) -> ToolSettings:
         e.max_tool_response_chars,
         e.tool_response_truncate_side,
         tuple(cfg.reward.pass_env),
+        e.max_tool_failure_rate,
     )
 
 

@@ -100,7 +100,8 @@ def with_tool_rewards(grades: Grades, rollouts: list[Rollout], source: str) -> G
 
 def episode_metrics(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
     """What the episodes did: turns, tool calls and failures per tool, malformed calls, environment tokens,
-    truncations, time waiting for tools. None for single completions."""
+    truncations, time waiting for tools; and how many lost their tool instance (left out of the loss) or ended on a
+    tool result that did not fit. None for single completions."""
     episodes = [r.episode for r in rollouts if r.episode is not None]
     if not episodes:
         return {}
@@ -118,6 +119,8 @@ def episode_metrics(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
         f"{prefix}/truncated_max_turns": mean(e.truncated == "max_turns" for e in episodes),
         f"{prefix}/truncated_max_tokens": mean(e.truncated == "max_tokens" for e in episodes),
         f"{prefix}/tool_wait_s_mean": mean(e.tool_s for e in episodes),
+        f"{prefix}/lost_instances": float(sum(e.lost_instance is not None for e in episodes)),
+        f"{prefix}/tool_results_dropped": float(sum(e.dropped_result_tokens > 0 for e in episodes)),
         **{f"{prefix}/tool/{name}/calls": float(sum(e.tool_calls.get(name, 0) for e in episodes)) for name in tools},
         **{
             f"{prefix}/tool/{name}/failures": float(sum(e.tool_failures.get(name, 0) for e in episodes))

@@ -38,7 +38,7 @@ from rl_tpu.data.arithmetic import ensure_arithmetic_dataset
 from rl_tpu.data.datasets import Example, batches, load_examples
 from rl_tpu.data.reasoning_gym import ensure_reasoning_gym_dataset
 from rl_tpu.episodes.tools import ToolBox
-from rl_tpu.grader.grader import Grader
+from rl_tpu.grader.grader import Grader, custom_reward
 from rl_tpu.models import precision
 from rl_tpu.models.hf import bundle_bytes
 from rl_tpu.models.resolve import check_context, check_decoder, resolve_model_path
@@ -65,6 +65,9 @@ def dataset_paths(cfg: RunConfig, cache_dir: Path) -> tuple[Path, Path]:
     if d.train_files:
         if not d.val_files:
             raise ValueError("data.train_files is set but data.val_files is not; held-out accuracy needs a val file")
+        for key, path in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+            if not Path(path).expanduser().is_file():
+                raise FileNotFoundError(f"{key}={path}: no such file")
         return Path(d.train_files), Path(d.val_files)
     if d.reasoning_gym.task:
         return ensure_reasoning_gym_dataset(cache_dir / "data", d.reasoning_gym, d.num_eval, d.seed)
@@ -192,9 +195,11 @@ def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]
     check_context(model_path, cfg.data.max_prompt_length, cfg.completion_tokens, cfg.completion_keys)
 
 
-def load_datasets(cfg: RunConfig, cache_dir: Path, tokenizer) -> tuple[list[Example], list[Example]]:
-    train_path, val_path = dataset_paths(cfg, cache_dir)
-    tools = tool_schemas(cfg)
+def load_datasets(
+    cfg: RunConfig, paths: tuple[Path, Path], tokenizer, tools: list[dict] | None
+) -> tuple[list[Example], list[Example]]:
+    """The train and held-out examples, the tools' schemas (`tool_schemas`) in their prompts."""
+    train_path, val_path = paths
     train = load_examples(train_path, tokenizer, cfg.data, tools=tools)
     held_out = load_examples(val_path, tokenizer, cfg.data, max_rows=cfg.data.val_max_samples, tools=tools)
     return train, held_out
@@ -210,6 +215,13 @@ def tool_schemas(cfg: RunConfig) -> list[dict] | None:
         return list(toolbox.schemas.values())
     finally:
         toolbox.close()
+
+
+def check_reward_plugin(cfg: RunConfig) -> None:
+    """A reward plugin is loaded once in a worker process now, so that one that cannot load fails before the model
+    is resolved (which may build it: minutes), naming its file; the grader loads it again for the run."""
+    if custom_reward(cfg.reward, cfg.custom_reward_function) is not None:
+        Grader(dataclasses.replace(cfg.reward, num_workers=1), cfg.custom_reward_function).close()
 
 
 def run(
@@ -236,9 +248,13 @@ def run(
     if resuming is not None:
         check_resume_files(resuming, cfg.algorithm.use_kl_in_reward, replay_queued)
     cache_dir = cache_path(cfg)
+    # what fails in seconds is checked before what may take minutes (resolving the model may build it)
+    tools = tool_schemas(cfg)
+    check_reward_plugin(cfg)
+    paths = dataset_paths(cfg, cache_dir)
     model_path = resolve_model_path(cfg.model, cfg.data, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_examples, eval_examples = load_datasets(cfg, cache_dir, tokenizer)
+    train_examples, eval_examples = load_datasets(cfg, paths, tokenizer, tools)
     check_inputs(cfg, model_path, train_examples)
     memory_plan.check(cfg, model_path)  # logged, and refused past a device's memory, before Ray starts
     on_checked()

@@ -13,7 +13,26 @@ from rl_tpu.controller.actors import Workers
 from rl_tpu.controller.batch_shaping import GradedBatch
 from rl_tpu.controller.rollouts import RolloutQueue, collect, episode_metrics
 from rl_tpu.grader.grader import Grader
-from rl_tpu.records import TrainBatch
+from rl_tpu.records import Rollout, TrainBatch
+
+
+def lost(rollout: Rollout) -> bool:
+    """An episode whose tool instance was lost with its worker: its state and tool reward are gone."""
+    return rollout.episode is not None and rollout.episode.lost_instance is not None
+
+
+def loss_mask(rollouts: list[Rollout], overlong_filter: bool) -> list[bool] | None:
+    """Per sequence, whether it is in the loss (None: all are). Overlong filtering leaves truncated completions out,
+    and an episode that lost its tool instance is always left out: its reward is not what its actions earned."""
+    keep = [not (overlong_filter and r.finish_reason == "length") and not lost(r) for r in rollouts]
+    return keep if overlong_filter or not all(keep) else None
+
+
+def advantage_groups(rollouts: list[Rollout]) -> list[int]:
+    """Each sequence's group for the advantages: an episode that lost its tool instance is alone in a group of its
+    own, so that its unknown reward does not move its prompt's statistics (it is out of the loss)."""
+    alone = max(r.group for r in rollouts) + 1
+    return [alone + i if lost(r) else r.group for i, r in enumerate(rollouts)]
 
 
 def grpo_step(
@@ -32,7 +51,7 @@ def grpo_step(
     rollouts, grades = sampled.batch.rollouts, sampled.batch.grades
     t1 = time.perf_counter()
     lengths = [len(r.completion_ids) for r in rollouts]
-    in_loss = [r.finish_reason != "length" for r in rollouts] if cfg.algorithm.overlong_filter else None
+    in_loss = loss_mask(rollouts, cfg.algorithm.overlong_filter)
     masks = [r.model_mask for r in rollouts] if cfg.episode.enable else None  # tool results: out of the loss
     batch = TrainBatch(  # advantages filled in below: the KL in the reward needs the batch first
         [r.prompt_ids for r in rollouts],
@@ -48,7 +67,7 @@ def grpo_step(
     workers.release_devices()
     penalties, kl_metrics = kl.penalties(workers.token_kl(batch), masks) if kl else (None, {})
     advantages = algorithms.advantages(
-        grades.scores, [r.group for r in rollouts], lengths, cfg.algorithm, grades.components, penalties, masks
+        grades.scores, advantage_groups(rollouts), lengths, cfg.algorithm, grades.components, penalties, masks
     )
     t2 = time.perf_counter()
     train = workers.train(dataclasses.replace(batch, advantages=advantages))

@@ -4,17 +4,20 @@ together, and each episode's environment tokens are appended to the ids the engi
 An episode ends when its model turn calls no tool, after `max_turns` model turns (a turn that still calls tools
 then is cut: truncated "max_turns"), or when its tokens after the prompt reach `max_tokens` (truncated
 "max_tokens"; a tool result that would not leave room for one more model token is not appended, so an episode
-always ends on the model's tokens, where the outcome reward sits). The loop records where each model turn starts
-and where the final one's answer ends, before its first tool call (`EpisodeStats.turn_starts`, `answer_end`): the
-text an outcome reward reads.
+always ends on the model's tokens, where the outcome reward sits; such episodes are counted and logged). The
+loop records where each model turn starts and where the final one's answer ends, before its first tool call
+(`EpisodeStats.turn_starts`, `answer_end`): the text an outcome reward reads.
 
 A tool with an instance per episode (`lifetime: episode`, a stateful environment) is created by the episode's
 first call of it and released when the episode ends, with the next turn's calls (the rest when the batch ends).
+An episode whose instance was lost with its worker after a call of it succeeded (its state and reward are gone)
+is marked (`EpisodeStats.lost_instance`): the controller leaves it out of the loss.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,6 +27,8 @@ from rl_tpu.episodes.render import Renderer, make_renderer
 from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease
 from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolResult, ToolSettings
 from rl_tpu.records import EpisodeStats, Rollout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -193,13 +198,29 @@ class EpisodeRunner:
             for group, (prompt, seed, kwargs) in enumerate(zip(prompts, seeds, tools_kwargs, strict=True))
             for sample in range(samples)
         ]
+        self.tools.begin_batch()
         try:
             while live := [e for e in episodes if not e.done]:
                 calling = self._model_turn(live, generate)
                 self._tool_turn(calling, ending=[e for e in live if e.done and e.open_tools])
         finally:  # what is still open: episodes that ended on a tool turn, or all of them if the batch failed
             self._tool_turn([], ending=[e for e in episodes if e.open_tools])
+        self.tools.end_batch()  # past episode.max_tool_failure_rate the run stops, naming the tool
+        self._log_dropped_results(episodes)
         return [e.rollout() for e in episodes]
+
+    def _log_dropped_results(self, episodes: list[Episode]) -> None:
+        """One line for the batch's episodes that ended because a tool result did not fit (counted per episode)."""
+        dropped = [e.stats.dropped_result_tokens for e in episodes if e.stats.dropped_result_tokens]
+        if dropped:
+            log.warning(
+                "%d of %d episodes ended (truncated max_tokens) because a tool result of up to %d tokens did not fit "
+                "in the %d tokens an episode may hold: raise episode.max_tokens or lower episode.max_tool_response_chars",
+                len(dropped),
+                len(episodes),
+                max(dropped),
+                self.limits.max_tokens,
+            )
 
     def _model_turn(self, live: list[Episode], generate) -> list[Episode]:
         """One turn of every live episode; returns those whose turn called tools that will run."""
@@ -236,6 +257,8 @@ class EpisodeRunner:
     def _count(episode: Episode, name: str, result: ToolResult) -> None:
         if result.failure:
             episode.stats.tool_failures[name] = episode.stats.tool_failures.get(name, 0) + 1
+        if result.failure == "lost":
+            episode.stats.lost_instance = name
         episode.stats.tool_reward += result.reward
 
     def _call(self, episode: Episode, name: str, arguments: str) -> ToolCall:
@@ -251,7 +274,8 @@ class EpisodeRunner:
         owners = [(e, name) for e in ending for name in sorted(e.open_tools)]
         for episode in ending:
             episode.open_tools = set()
-        results, seconds = self.tools.run(calls, [ToolRelease(name, e.key) for e, name in owners])
+        ends = [ToolRelease(name, e.key, name in e.succeeded_tools) for e, name in owners]
+        results, seconds = self.tools.run(calls, ends)
         for (episode, name), result in zip(owners, results[len(calls) :]):
             self._count(episode, name, result)  # calc_reward's, once per instance
         start = 0
@@ -270,6 +294,7 @@ class EpisodeRunner:
             turn = self.renderer.environment_ids(episode.context(), episode.pending_calls, [r.text for r in mine])
             if len(episode.ids) - turn.replaced + len(turn.ids) >= self.limits.max_tokens:
                 episode.end("max_tokens")  # no room for the model to read the result and answer
+                episode.stats.dropped_result_tokens = len(turn.ids)
             else:
                 episode.add_environment(turn.ids, turn.replaced)
 

@@ -55,6 +55,7 @@ class ToolRelease:
 
     name: str
     episode: str
+    held: bool = False  # a call of the episode succeeded: the worker holds its instance, or it was lost
 
 
 @dataclass
@@ -71,7 +72,30 @@ def lifetime(tool: Any) -> str:
     return value
 
 
+def check_modules(config_file: str) -> None:
+    """Every module a tools YAML names can be found (verl's loader fails on one that cannot with "'NoneType' object
+    has no attribute 'loader'", naming neither the module nor the tool)."""
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    for entry in OmegaConf.load(config_file).get("tools") or []:
+        module = str(entry.get("class_name", "")).rpartition(".")[0]
+        try:
+            found = not module or importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a package above it is missing
+            found = False
+        if not found:
+            name = (entry.get("tool_schema") or {}).get("function", {}).get("name", "?")
+            raise ModuleNotFoundError(
+                f"{config_file}: tool {name!r} names class_name={entry.class_name!r}, but no module {module!r} is on "
+                "the tool workers' import path (the YAML's folder, then the run's)"
+            )
+
+
 def load_tools(sources: ToolSources) -> dict[str, Any]:
+    if sources.config_file:
+        check_modules(sources.config_file)
     from verl.tools.tool_registry import load_all_tools
 
     return {tool.name: tool for tool in load_all_tools(sources.config_file, sources.function_tool_path)}
@@ -147,9 +171,14 @@ async def _run_episode_tool(worker: ToolWorker, tool: Any, call: ToolCall, argum
 
 
 async def _release(worker: ToolWorker, end: ToolRelease) -> tuple[str, float]:
-    """An episode's instance: its `calc_reward`, then released. One this worker does not hold (lost with a
-    replaced worker, or never created) has nothing to release."""
+    """An episode's instance: its `calc_reward`, then released. One this worker does not hold has nothing to release:
+    never created, or, where a call of the episode succeeded (`held`), lost with a replaced worker: its reward is
+    unknown, and the release fails as `lost`."""
     instance = worker.instances.pop((end.episode, end.name), None)
+    if instance is None and end.held:
+        raise LostInstance(
+            f"tool {end.name!r}: this episode's instance is gone with the tool worker that held it; its reward is lost"
+        )
     if instance is None:
         return "", 0.0
     tool = worker.tools[end.name]

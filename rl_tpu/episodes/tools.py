@@ -1,9 +1,15 @@
 """The tools' side of an episode: verl tools in worker processes, each call with a deadline; results as text.
 
 A call that fails (the tool raised, timed out, killed its worker, returned something that is not a
-`ToolResponse` with string text, or was asked for an unknown tool or with bad JSON) answers the model with a
-short error text, as verl's agent loop does, and is counted; the episode goes on. The calls of a tool with an
-instance per episode (`lifetime: episode`) all go to the worker that holds it, and so does its release.
+`ToolResponse` with string text, found its worker down because it could not be started again, or was asked for an
+unknown tool or with bad JSON) answers the model with a short error text, as verl's agent loop does, and is
+counted; the episode goes on. The calls of a tool with an instance per episode (`lifetime: episode`) all go to the
+worker that holds it, and so does its release.
+
+Only when more than `episode.max_tool_failure_rate` of a batch's tool calls fail, or its first calls all do, does
+the run stop, with `ToolError` naming the tool that failed most and its first failure: the reward workers' rule
+(`reward.max_failure_rate`). The model's own mistakes (an unknown tool, bad JSON) are not the tool's failures, and
+neither is a call that found its episode's instance lost (the failure that lost it was counted).
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import math
 import os
 import time
 import zlib
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -24,10 +31,11 @@ log = logging.getLogger(__name__)
 
 
 MODEL_ERRORS = ("unknown_tool", "bad_arguments")  # failed calls that are the model's fault, not the tool's
+NOT_COUNTED = (*MODEL_ERRORS, "lost", "cancelled")  # failures the failure-rate stop leaves out
 
 
 class ToolError(RuntimeError):
-    """The tools could not be loaded."""
+    """The tools could not be loaded, or too many of one tool's calls failed."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class ToolSettings:
     max_response_chars: int  # verl's `max_tool_response_length`
     truncate_side: str = "middle"
     pass_env: tuple[str, ...] = ()
+    max_failure_rate: float = 0.1  # `episode.max_tool_failure_rate`
 
 
 @dataclass(frozen=True)
@@ -78,11 +87,66 @@ def tool_environment(settings: ToolSettings) -> dict[str, str]:
     return env
 
 
+def failure_of(outcome: tuple | None) -> tuple[str, str] | None:
+    """A worker outcome's failure as (kind, message) when the failure-rate stop counts it, else None."""
+    if outcome is None or outcome[0] != "fail" or outcome[1] in NOT_COUNTED:
+        return None
+    return outcome[1], outcome[2]
+
+
+@dataclass
+class FailureTally:
+    """One batch's tool calls and their failures (an instance's release counts as a call), for the failure-rate stop:
+    judged over all of the batch's calls, as `reward.max_failure_rate` is over its samples."""
+
+    max_rate: float
+    calls: int = 0
+    failures: Counter = field(default_factory=Counter)  # per tool
+    first: dict[str, tuple[str, str]] = field(default_factory=dict)  # per tool: its first failure's kind, message
+    stopped: bool = False  # the stop was raised: what still runs (the releases) is not judged again
+
+    def add(self, name: str, outcome: tuple) -> None:
+        if outcome[0] == "fail" and outcome[1] in NOT_COUNTED:
+            return
+        self.calls += 1
+        if failure := failure_of(outcome):
+            self.failures[name] += 1
+            self.first.setdefault(name, failure)
+
+    def first_all_failed(self, names: list[str], outcomes: list, at_least: int) -> bool:
+        """The batch's first `at_least` calls (with these answers) all failed: a tool that fails every call stops the
+        run after a few timeouts, not after the batch (64 calls: half an hour at 10 s each). Judged as answers
+        arrive, unless the rate is 1."""
+        so_far = FailureTally(self.max_rate, self.calls, Counter(self.failures), dict(self.first))
+        for name, outcome in zip(names, outcomes):
+            if outcome is not None:
+                so_far.add(name, outcome)
+        return self.max_rate < 1.0 and so_far.calls >= at_least and so_far.failed == so_far.calls
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failures.values())
+
+    def too_many(self) -> bool:
+        return self.failed > self.max_rate * self.calls
+
+    def error(self, where: str, why: str) -> ToolError:
+        """The stop, naming the tool that failed most and its first failure."""
+        self.stopped = True
+        name, count = self.failures.most_common(1)[0]
+        kind, message = self.first[name]
+        return ToolError(
+            f"{self.failed} of the {self.calls} tool calls of this batch failed, {why} (episode.max_tool_failure_rate"
+            f"={self.max_rate:g}); {count} of them of tool {name!r} ({where}), whose first failure ({kind}) was:\n"
+            f"{message}"
+        )
+
+
 class ToolBox:
     def __init__(self, settings: ToolSettings):
         self.settings = settings
         limits = WorkerLimits(settings.memory_mb, math.ceil(settings.timeout_s) + 1)
-        where = " and ".join(p for p in (settings.config_file, settings.function_tool_path) if p)
+        self.where = where = " and ".join(p for p in (settings.config_file, settings.function_tool_path) if p)
         self.pool = WorkerPool(
             "rl_tpu.episodes.tool_worker",
             (ToolSources(settings.config_file, settings.function_tool_path), limits),
@@ -95,21 +159,38 @@ class ToolBox:
         ready: ToolsReady = self.pool.detail
         self.schemas = ready.schemas  # name -> OpenAI function schema, for chat templates
         self.per_episode = ready.per_episode  # the tools with an instance per episode
+        self.tally = FailureTally(settings.max_failure_rate)
+
+    def begin_batch(self) -> None:
+        """The failure-rate stop judges each batch of episodes on its own, as the reward workers' does."""
+        self.tally = FailureTally(self.settings.max_failure_rate)
+
+    def end_batch(self) -> None:
+        """Raises `ToolError` when more than `episode.max_tool_failure_rate` of the batch's tool calls failed."""
+        if not self.tally.stopped and self.tally.too_many():
+            raise self.tally.error(self.where, "more than the rate allowed")
 
     def run(self, calls: list[ToolCall], ends: Sequence[ToolRelease] = ()) -> tuple[list[ToolResult], float]:
         """Every call's result, in order, then each release's (its reward `calc_reward`'s), and the seconds they
-        took; all run at once across the workers."""
+        took; all run at once across the workers. Raises `ToolError` as soon as the batch's first calls all failed
+        (the rest of the turn is not run)."""
         if not calls and not ends:
             return [], 0.0
         start = time.perf_counter()
         items = [*calls, *ends]
+        names, at_least = [item.name for item in items], max(2 * self.pool.size, 8)
         outcomes = self.pool.run(
             items,
             batched=False,
             failed=lambda kind, message: ("fail", kind, message),
             shares_per_worker=len(items),
+            give_up=None if self.tally.stopped else lambda o: self.tally.first_all_failed(names, o, at_least),
             route=lambda item: zlib.crc32(item.episode.encode()) if item.episode is not None else None,
         )
+        for name, outcome in zip(names, outcomes):
+            self.tally.add(name, outcome)
+        if not self.tally.stopped and self.tally.first_all_failed([], [], at_least):
+            raise self.tally.error(self.where, "every one of them")
         results = []
         for call, outcome in zip(items, outcomes):
             if outcome[0] == "ok":
