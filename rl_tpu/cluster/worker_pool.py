@@ -1,5 +1,6 @@
 """Worker processes for user code (reward functions, tools): every job has a deadline, and a worker that runs past
-it or dies is killed and replaced; its job fails, never the run.
+it or dies is killed and replaced; its job fails, never the run (a replacement that cannot start leaves its place
+down for a while: `_Down`).
 
 A worker is ``python -m MODULE READ_FD WRITE_FD`` speaking `multiprocessing.connection` messages over two
 pipes (its stdout stays free for the user's prints); the module's ``__main__`` calls `serve`. Protocol: the pool
@@ -157,14 +158,67 @@ class _Worker:
 
 @dataclass
 class _Down:
-    """A place whose worker could not be started again: its items fail at once until a start succeeds."""
+    """A place whose worker could not be started again (its code no longer loads, its server is unreachable): its
+    items fail at once, as "unavailable", while it waits RESTART_BACKOFF_S, doubling, for the next start, and after
+    MAX_FAILED_STARTS failed starts in a row it is given up. A run stops when its failure rate says so, not at the
+    first worker that could not be replaced."""
 
     error: str  # why the last start failed
     failed_starts: int  # in a row
     retry_at: float  # `time.monotonic()` of the next try; inf once MAX_FAILED_STARTS are spent
 
+    @classmethod
+    def after(cls, error: str, previous: _Worker | _Down) -> _Down:
+        failed_starts = previous.failed_starts + 1 if isinstance(previous, _Down) else 1
+        backoff = RESTART_BACKOFF_S * 2 ** (failed_starts - 1)
+        return cls(error, failed_starts, math.inf if failed_starts >= MAX_FAILED_STARTS else time.monotonic() + backoff)
+
     def due(self) -> bool:
         return time.monotonic() >= self.retry_at
+
+    def message(self, what: str) -> str:
+        tries = f"{self.failed_starts} of {MAX_FAILED_STARTS} starts failed in a row"
+        then = "given up" if self.retry_at == math.inf else "tried again later"
+        return f"{what} could not be started again ({tries}; {then}):\n{self.error}"
+
+
+def _stop(worker: _Worker, kill: bool = False) -> None:
+    """Ends a worker: EOF on its inbox, or killed."""
+    worker.outbox.close()  # a worker waiting for work exits on EOF
+    if kill:
+        worker.process.kill()
+    try:
+        worker.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        worker.process.kill()
+        worker.process.wait()
+    worker.inbox.close()
+
+
+def _fail_all(source: deque, outcomes: list, outcome: Any) -> int:
+    """Every item still in `source` gets `outcome`; returns how many."""
+    count = 0
+    while source:
+        for position in source.popleft():
+            outcomes[position] = outcome
+            count += 1
+    return count
+
+
+def _shares(places: int, items: list, batched: bool, shares_per_worker: int, route) -> tuple[deque, list[deque]]:
+    """The items' positions in shares: a queue any worker takes from, and one of its own per place."""
+    shares = places * (1 if batched else shares_per_worker)
+    size = max(1, math.ceil(len(items) / shares))
+    anyone: list[int] = []
+    pinned: list[list[int]] = [[] for _ in range(places)]
+    for position, item in enumerate(items):
+        worker = route(item) if route else None
+        (anyone if worker is None else pinned[worker % places]).append(position)
+
+    def cut(positions: list[int]) -> deque:
+        return deque(positions[start : start + size] for start in range(0, len(positions), size))
+
+    return cut(anyone), [cut(positions) for positions in pinned]
 
 
 class WorkerPool:
@@ -209,9 +263,9 @@ class WorkerPool:
         route: Callable[[Any], int | None] | None = None,
     ) -> list:
         """Every item's outcome, in order. `failed(kind, message)` is the outcome of an item whose worker timed out
-        ("timeout") or died ("crash"), or that no worker could take ("unavailable": its place's worker could not be
-        started again, see `_replace`). Batched workers get one share each and a deadline per item in it; the others
-        get small shares (`shares_per_worker` each), so that the load balances, and answer item by item.
+        ("timeout") or died ("crash"), or whose place is `_Down` ("unavailable"). Batched workers get one share each
+        and a deadline per item in it; the others get small shares (`shares_per_worker` each), so that the load
+        balances, and answer item by item.
 
         `give_up(outcomes)`, asked as answers arrive (None where there is none yet), stops the run early: the busy
         workers are replaced and every item without an answer gets `failed("cancelled", ...)`.
@@ -227,24 +281,9 @@ class WorkerPool:
             if self.closed:  # closed meanwhile: its workers were killed; reap them here
                 self._stop_all()
 
-    def _shares(self, items: list, batched: bool, shares_per_worker: int, route) -> tuple[deque, list[deque]]:
-        """The items' positions in shares: a queue any worker takes from, and one of its own per worker."""
-        shares = len(self.workers) * (1 if batched else shares_per_worker)
-        size = max(1, math.ceil(len(items) / shares))
-        anyone: list[int] = []
-        pinned: list[list[int]] = [[] for _ in self.workers]
-        for position, item in enumerate(items):
-            worker = route(item) if route else None
-            (anyone if worker is None else pinned[worker % len(self.workers)]).append(position)
-
-        def cut(positions: list[int]) -> deque:
-            return deque(positions[start : start + size] for start in range(0, len(positions), size))
-
-        return cut(anyone), [cut(positions) for positions in pinned]
-
     def _run(self, items: list, batched: bool, failed: Callable, shares_per_worker: int, give_up, route) -> list:
         outcomes: list = [None] * len(items)
-        queue, own_queues = self._shares(items, batched, shares_per_worker, route)
+        queue, own_queues = _shares(len(self.workers), items, batched, shares_per_worker, route)
         done = 0
         while done < len(items) and not self.closed:
             for place, own in enumerate(own_queues):
@@ -252,13 +291,13 @@ class WorkerPool:
                     self._replace(place)
                 worker = self.workers[place]
                 if isinstance(worker, _Down):  # its pinned items cannot wait for it
-                    done += self._fail_all(own, outcomes, failed("unavailable", self._down_message(worker)))
+                    done += _fail_all(own, outcomes, failed("unavailable", worker.message(self.what)))
                 elif not worker.in_flight and (own or queue):
                     self._send(worker, own or queue, items, batched)
             busy = [w for w in self.live if w.in_flight]
             if not busy:  # the rest is in the shared queue and every place is down
                 down = next(w for w in self.workers if isinstance(w, _Down))
-                done += self._fail_all(queue, outcomes, failed("unavailable", self._down_message(down)))
+                done += _fail_all(queue, outcomes, failed("unavailable", down.message(self.what)))
                 continue
             remaining = min(w.deadline for w in busy) - time.monotonic()
             for inbox in wait([w.inbox for w in busy], timeout=max(0.0, remaining)):
@@ -290,20 +329,10 @@ class WorkerPool:
             outcomes = [failed("cancelled", "not run: the pool was closed") if o is None else o for o in outcomes]
         return outcomes
 
-    @staticmethod
-    def _fail_all(source: deque, outcomes: list, outcome: Any) -> int:
-        """Every item still in `source` gets `outcome`; returns how many."""
-        count = 0
-        while source:
-            for position in source.popleft():
-                outcomes[position] = outcome
-                count += 1
-        return count
-
     def _cancel(self, outcomes: list, outcome: Any) -> None:
         for worker in [w for w in self.live if w.in_flight]:
             worker.in_flight = deque()
-            self._stop(worker, kill=True)
+            _stop(worker, kill=True)
             self._replace(self.workers.index(worker))
         for position, current in enumerate(outcomes):
             if current is None:
@@ -321,30 +350,16 @@ class WorkerPool:
 
     def _stop_all(self) -> None:
         for worker in self.live:
-            self._stop(worker)
+            _stop(worker)
         self.workers = []
 
     def _replace(self, place: int) -> None:
-        """A new worker at `place`. One that cannot start (its code no longer loads, its server is unreachable)
-        leaves the place down: its items fail as "unavailable" while it waits RESTART_BACKOFF_S, doubling, for the
-        next try, and after MAX_FAILED_STARTS tries in a row it is given up. A run stops only when its failure
-        rate says so, not at the first worker that could not be replaced."""
-        old = self.workers[place]
-        failed_starts = old.failed_starts + 1 if isinstance(old, _Down) else 1
+        """A new worker at `place`; one that cannot start leaves the place `_Down`."""
         try:
             self.workers[place] = self._spawn()
-            return
         except Exception as err:  # whatever stopped the start: it is the items' failure now
-            error = str(err)
-        backoff = RESTART_BACKOFF_S * 2 ** (failed_starts - 1)
-        retry = math.inf if failed_starts >= MAX_FAILED_STARTS else time.monotonic() + backoff
-        self.workers[place] = down = _Down(error, failed_starts, retry)
-        log.warning("%s", self._down_message(down).splitlines()[0] + " " + error.strip().splitlines()[-1])
-
-    def _down_message(self, down: _Down) -> str:
-        tries = f"{down.failed_starts} of {MAX_FAILED_STARTS} starts failed in a row"
-        then = "given up" if down.retry_at == math.inf else "tried again later"
-        return f"{self.what} could not be started again ({tries}; {then}):\n{down.error}"
+            self.workers[place] = down = _Down.after(str(err), self.workers[place])
+            log.warning("%s %s", down.message(self.what).splitlines()[0], str(err).strip().splitlines()[-1])
 
     def _spawn(self) -> _Worker:
         from_parent, to_child = os.pipe()
@@ -376,17 +391,6 @@ class WorkerPool:
             raise self.error(f"could not load {self.what}:\n{detail}")
         return _Worker(process, inbox, outbox, detail)
 
-    def _stop(self, worker: _Worker, kill: bool = False) -> None:
-        worker.outbox.close()  # a worker waiting for work exits on EOF
-        if kill:
-            worker.process.kill()
-        try:
-            worker.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            worker.process.kill()
-            worker.process.wait()
-        worker.inbox.close()
-
     def _send(self, worker: _Worker, source: deque, items: list, batched: bool) -> None:
         positions = source.popleft()
         worker.in_flight, worker.source = deque(positions), source
@@ -404,6 +408,6 @@ class WorkerPool:
         if rest:
             worker.source.appendleft(rest)
         worker.in_flight = deque()
-        self._stop(worker, kill=True)
+        _stop(worker, kill=True)
         self._replace(self.workers.index(worker))
         return len(culprits)
