@@ -109,7 +109,8 @@ class TrainBatch:
     # importance weights pi_trainer / pi_sampler: "token", "sequence", or None (on-policy: no weights)
     rollout_is: str | None = None
     rollout_is_threshold: float = 2.0  # the weights are truncated at this
-    # per sequence, whether its tokens are in the loss (overlong filtering leaves truncated ones out); None: all
+    # per sequence, whether its tokens are in the loss (overlong filtering leaves truncated ones out, and an episode
+    # that lost its tool instance is left out); None: all
     loss_mask: list[bool] | None = None
     # per completion token, whether the model sampled it (environment tokens stay out of the loss); None: all did
     model_masks: list[list[int]] | None = None

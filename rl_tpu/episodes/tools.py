@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
+from rl_tpu.config.episode import EpisodeConfig
 from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease, ToolSources, ToolsReady
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class ToolSettings:
     max_response_chars: int  # verl's `max_tool_response_length`
     truncate_side: str = "middle"
     pass_env: tuple[str, ...] = ()
-    max_failure_rate: float = 0.1  # `episode.max_tool_failure_rate`
+    max_failure_rate: float = EpisodeConfig.max_tool_failure_rate
 
 
 @dataclass(frozen=True)
