@@ -19,6 +19,7 @@ from conftest import compose_run
 from rl_tpu.cluster import worker_pool
 from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeRunner, TurnOutput
+from rl_tpu.episodes.render import EnvironmentIds
 from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease, ToolWorker, _release, contained
 from rl_tpu.episodes.tools import ToolBox, ToolError, ToolResult, ToolSettings
 from rl_tpu.records import EpisodeStats, Rollout
@@ -221,8 +222,11 @@ class Characters:
         text = "".join(map(chr, ids))
         return ([(text.removeprefix("call:"), "{}")] if text.startswith("call:") else []), 0
 
-    def environment_ids(self, runtime_ids: list[int], calls: list, results: list[str]) -> list[int]:
-        return [ord(c) for c in "|".join(results)]
+    def answer_length(self, ids: list[int]) -> int:
+        return 0 if "".join(map(chr, ids)).startswith("call:") else len(ids)
+
+    def environment_ids(self, runtime_ids: list[int], calls: list, results: list[str]) -> EnvironmentIds:
+        return EnvironmentIds([ord(c) for c in "|".join(results)])
 
 
 class ScriptedTools:
