@@ -137,12 +137,26 @@ def serve(
     loop = asyncio.new_event_loop()  # for async user code (verl's tools, async reward functions)
     while True:
         try:
-            positions, items = inbox.recv()
+            positions, items = loop.run_until_complete(next_job(inbox))
         except EOFError:  # the pool closed its end: shut down
             return
         limit_cpu(limits.cpu_s_per_item, len(items))
         for message in answer(state, positions, items, loop):
             outbox.send(message)
+
+
+async def next_job(inbox: Connection) -> Any:
+    """The next job, read once it arrives, the event loop running meanwhile: what user code keeps on it between
+    jobs goes on (a WebSocket client answers its server's keep-alive pings; a blocking read would leave the
+    connection silent until the next job, and a server that pings closes it)."""
+    loop = asyncio.get_running_loop()
+    arrived = loop.create_future()
+    loop.add_reader(inbox.fileno(), lambda: arrived.done() or arrived.set_result(None))
+    try:
+        await arrived
+    finally:
+        loop.remove_reader(inbox.fileno())
+    return inbox.recv()
 
 
 @dataclass
@@ -261,6 +275,7 @@ class WorkerPool:
         shares_per_worker: int = 4,
         give_up: Callable[[list], bool] | None = None,
         route: Callable[[Any], int | None] | None = None,
+        concurrent: bool = False,
     ) -> list:
         """Every item's outcome, in order. `failed(kind, message)` is the outcome of an item whose worker timed out
         ("timeout") or died ("crash"), or whose place is `_Down` ("unavailable"). Batched workers get one share each
@@ -272,16 +287,21 @@ class WorkerPool:
 
         `route(item)`, where given, pins an item to a worker (any int, taken modulo the pool's size; None: any
         worker): items that need what an earlier item left in a worker's memory go where it went, in order. A worker
-        replaced after a failure keeps its place, not its memory."""
+        replaced after a failure keeps its place, not its memory.
+
+        `concurrent`: a worker runs the items of its share at once and answers each as it ends, so when it dies
+        or stops answering, every item it has not answered fails with it (they were running together)."""
         self.running = True
         try:
-            return self._run(items, batched, failed, shares_per_worker, give_up, route)
+            return self._run(items, batched, failed, shares_per_worker, give_up, route, concurrent)
         finally:
             self.running = False
             if self.closed:  # closed meanwhile: its workers were killed; reap them here
                 self._stop_all()
 
-    def _run(self, items: list, batched: bool, failed: Callable, shares_per_worker: int, give_up, route) -> list:
+    def _run(
+        self, items: list, batched: bool, failed: Callable, shares_per_worker: int, give_up, route, concurrent: bool
+    ) -> list:
         outcomes: list = [None] * len(items)
         queue, own_queues = _shares(len(self.workers), items, batched, shares_per_worker, route)
         done = 0
@@ -309,7 +329,7 @@ class WorkerPool:
                         break
                     code = worker.process.wait()
                     done += self._lose(
-                        worker, outcomes, batched, failed("crash", f"the worker died (exit code {code})")
+                        worker, outcomes, batched or concurrent, failed("crash", f"the worker died (exit code {code})")
                     )
                     continue
                 for position, outcome in message:
@@ -321,7 +341,7 @@ class WorkerPool:
             late = [w for w in busy if w.in_flight and time.monotonic() > w.deadline and not w.inbox.poll()]
             for worker in [w for w in late if not self.closed]:
                 timeout = failed("timeout", f"no answer within {self.timeout_s:g} s")
-                done += self._lose(worker, outcomes, batched, timeout)
+                done += self._lose(worker, outcomes, batched or concurrent, timeout)
             if give_up is not None and done < len(items) and give_up(outcomes):
                 self._cancel(outcomes, failed("cancelled", "not run: the batch was given up"))
                 break
@@ -397,11 +417,12 @@ class WorkerPool:
         worker.deadline = time.monotonic() + self.timeout_s * (len(positions) if batched else 1)
         worker.outbox.send((positions, [items[p] for p in positions]))
 
-    def _lose(self, worker: _Worker, outcomes: list, batched: bool, outcome: Any) -> int:
+    def _lose(self, worker: _Worker, outcomes: list, all_unanswered: bool, outcome: Any) -> int:
         """A worker timed out or died: fail the item(s) it was on, requeue the rest, replace it. Returns the
         number of items failed."""
-        # per-item workers answer in order, so the first unanswered item is the culprit
-        culprits = list(worker.in_flight) if batched else [worker.in_flight[0]]
+        # a worker that answers item by item in order was on its first unanswered item; a batched or concurrent
+        # one, on all of them
+        culprits = list(worker.in_flight) if all_unanswered else [worker.in_flight[0]]
         for position in culprits:
             outcomes[position] = outcome
         rest = [p for p in worker.in_flight if p not in culprits]

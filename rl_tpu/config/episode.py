@@ -33,6 +33,9 @@ class EpisodeConfig:
     # garbage, found its worker down), or its first calls all do: as reward.max_failure_rate; 1.0: never stop
     max_tool_failure_rate: float = 0.1
     tool_workers: int = 2  # tool worker processes per engine
+    # calls a tool worker runs at once: they overlap while they await (a server, a sandbox, a search); code that
+    # blocks (time.sleep, a synchronous client) runs one call at a time in each worker whatever this says
+    tool_calls_per_worker: int = 32
     tool_memory_mb: Optional[int] = 4096  # what each tool worker may allocate beyond its loaded code; null: no limit
     # an episode's reward: the reward plugin's (`reward.*`), the tools' (execute's step rewards plus calc_reward,
     # summed over the episode's calls), or their sum
@@ -46,7 +49,13 @@ class EpisodeConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"episode.{key}={value!r}: allowed values are {', '.join(allowed)}")
-        for key in ("max_turns", "max_parallel_calls", "max_tool_response_chars", "tool_workers"):
+        for key in (
+            "max_turns",
+            "max_parallel_calls",
+            "max_tool_response_chars",
+            "tool_workers",
+            "tool_calls_per_worker",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"episode.{key}={getattr(self, key)} must be >= 1")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -223,6 +223,7 @@ def tool_settings(cfg: RunConfig) -> ToolSettings:
         e.tool_response_truncate_side,
         tuple(cfg.reward.pass_env),
         e.max_tool_failure_rate,
+        e.tool_calls_per_worker,
     )
 
 

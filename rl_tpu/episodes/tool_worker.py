@@ -14,20 +14,35 @@ environment: a game, a shell, a database): its episode's first call creates it, 
 ``calc_reward`` once and releases it. A call for an instance this worker does not hold, though an earlier call of
 the episode succeeded, fails as ``lost`` (the worker was replaced after a crash or timeout: its state is gone).
 
+Calls run at once: a job's items are tasks on the worker's event loop (at most `calls_per_worker`), each
+answered as it ends and each with its own deadline (`rl_tpu.cluster.call_deadlines`: a call that awaits too long
+is cancelled, one that blocks the loop is interrupted, one stuck in a thread is left to the pool, which replaces
+the worker). A per-episode instance's calls and release run one after another, in the order sent; one whose call
+timed out is dropped (its state is unknown: later calls fail as ``lost``). Code that blocks (``time.sleep``, a
+synchronous client) runs one call at a time whatever the bound: only awaiting lets the others run. A result's
+text is cut to `max_response_chars` here, before it crosses the pipe.
+
+Ray is off in a tool worker: it is a plain process outside the run's Ray cluster, where a tool's Ray actor would
+start a private cluster per worker (see `refuse_ray`).
+
 It speaks `rl_tpu.cluster.worker_pool`'s protocol (bounded memory and CPU seconds, death with its parent): its
-setup is the `ToolSources`, its ready detail a `ToolsReady` (the tools' OpenAI schemas by name, and which keep an
+setup is a `ToolSetup`, its ready detail a `ToolsReady` (the tools' OpenAI schemas by name, and which keep an
 instance per episode), and it answers item by item.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import numbers
+import os
+import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Iterator
 
+from rl_tpu.cluster.call_deadlines import CallTimeout, Deadlines
 from rl_tpu.cluster.worker_pool import serve
 
 
@@ -37,6 +52,18 @@ class ToolSources:
     function_tool_path: str | None  # a .py file of `@function_tool` functions
 
 
+@dataclass(frozen=True)
+class ToolSetup:
+    """A tool worker's setup: its tools, and what bounds their calls."""
+
+    sources: ToolSources
+    timeout_s: float  # a call's deadline
+    calls_per_worker: int  # calls run at once
+    max_response_chars: int  # a result's text is cut to this, with verl's markers
+    truncate_side: str  # where: left, right, middle
+
+
+FAILURE_CHARS = 4096  # what a failure's message keeps (its end, where the traceback's last line is)
 LIFETIMES = ("call", "episode")  # a BaseTool's `lifetime` config key: an instance per call, or per episode
 
 
@@ -61,7 +88,50 @@ class ToolRelease:
 @dataclass
 class ToolWorker:
     tools: dict[str, Any]
-    instances: dict[tuple[str, str], Any]  # (episode, tool name) -> instance id, for per-episode tools
+    setup: ToolSetup
+    instances: dict[tuple[str, str], Any] = field(default_factory=dict)  # (episode, tool) -> id: per-episode tools
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)  # a per-episode instance's turn
+    deadlines: Deadlines | None = None  # set up with the event loop, at the first job
+    running: asyncio.Semaphore | None = None  # at most `calls_per_worker` calls at once
+    background: set[asyncio.Task] = field(default_factory=set)  # releases of dropped instances
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.deadlines is None:
+            self.deadlines = Deadlines(loop, self.setup.timeout_s, self.setup.calls_per_worker)
+            self.running = asyncio.Semaphore(self.setup.calls_per_worker)
+
+    def lock(self, key: tuple[str, str]) -> asyncio.Lock:
+        return self.locks.setdefault(key, asyncio.Lock())
+
+    def drop(self, key: tuple[str, str]) -> None:
+        """Forget an instance whose call timed out (its state is unknown: a server's reply may still be on its
+        way), releasing it meanwhile, within a deadline."""
+        instance = self.instances.pop(key, None)
+        if instance is not None:
+            release = asyncio.ensure_future(contained(self.deadlines.run(self.tools[key[1]].release(instance))))
+            self.background.add(release)
+            release.add_done_callback(self.background.discard)
+
+
+def truncate(text: str, limit: int, side: str) -> str:
+    """`text` cut to `limit` characters with verl's markers (its `tool_response_truncate_side`)."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[-limit:]
+    if side == "right":
+        return text[:limit] + "...(truncated)"
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[-half:]
+
+
+def bounded(outcome: tuple, setup: ToolSetup) -> tuple:
+    """An outcome as sent: a result's text cut to the setting, a failure's message to its last `FAILURE_CHARS`."""
+    if outcome[0] == "ok":
+        _, text, reward = outcome
+        return ("ok", truncate(text, setup.max_response_chars, setup.truncate_side), reward)
+    _, kind, message = outcome
+    return ("fail", kind, truncate(message, FAILURE_CHARS, "left"))
 
 
 def lifetime(tool: Any) -> str:
@@ -158,6 +228,18 @@ async def _run_base_tool(tool: Any, call: ToolCall, arguments: dict) -> tuple[st
             await tool.release(instance)
 
 
+async def _run_episode_call(worker: ToolWorker, tool: Any, call: ToolCall, arguments: dict) -> tuple[str, float]:
+    """A per-episode tool's call: after the episode's earlier items, within its deadline; an instance whose call
+    timed out is dropped."""
+    key = (call.episode, call.name)
+    async with worker.lock(key), worker.running:
+        try:
+            return await worker.deadlines.run(_run_episode_tool(worker, tool, call, arguments))
+        except CallTimeout:
+            worker.drop(key)
+            raise
+
+
 async def _run_episode_tool(worker: ToolWorker, tool: Any, call: ToolCall, arguments: dict) -> tuple[str, float]:
     key = (call.episode, call.name)
     if key not in worker.instances:
@@ -209,10 +291,23 @@ async def run_call(worker: ToolWorker, call: ToolCall) -> tuple:
     except (json.JSONDecodeError, TypeError) as err:
         return ("fail", "bad_arguments", f"Invalid JSON in arguments for {call.name!r}: {err}")
     if isinstance(tool, FunctionTool):
-        return await contained(_run_function_tool(tool, call, arguments))
-    if call.episode is not None:
-        return await contained(_run_episode_tool(worker, tool, call, arguments))
-    return await contained(_run_base_tool(tool, call, arguments))
+        work = _run_function_tool(tool, call, arguments)
+    elif call.episode is not None:
+        return await contained(_run_episode_call(worker, tool, call, arguments))
+    else:
+        work = _run_base_tool(tool, call, arguments)
+    async with worker.running:
+        return await contained(worker.deadlines.run(work))
+
+
+async def run_release(worker: ToolWorker, end: ToolRelease) -> tuple:
+    """An episode's release: after its calls, within its deadline."""
+    key = (end.episode, end.name)
+    try:
+        async with worker.lock(key), worker.running:
+            return await contained(worker.deadlines.run(_release(worker, end)))
+    finally:
+        worker.locks.pop(key, None)
 
 
 async def contained(work: Awaitable[tuple[str, float]]) -> tuple:
@@ -223,21 +318,90 @@ async def contained(work: Awaitable[tuple[str, float]]) -> tuple:
         return ("fail", "invalid", str(err))
     except LostInstance as err:
         return ("fail", "lost", str(err))
+    except CallTimeout as err:
+        return ("fail", "timeout", str(err))
     except Exception as err:
+        if uses_ray(err):
+            return ("fail", "exception", RAY_REFUSAL)
         return ("fail", "exception", "".join(traceback.format_exception(err)))
     return ("ok", text, reward)
 
 
-def load(sources: ToolSources) -> tuple[ToolWorker, ToolsReady]:
-    tools = load_tools(sources)
+async def answer_item(worker: ToolWorker, item: ToolCall | ToolRelease) -> tuple | None:
+    """An item's outcome, bounded; None for a call that timed out while its thread runs on (no answer: the pool's
+    deadline replaces this worker, and with it the thread)."""
+    threads = worker.deadlines.track()
+    outcome = await (run_release(worker, item) if isinstance(item, ToolRelease) else run_call(worker, item))
+    if outcome[:2] == ("fail", "timeout") and worker.deadlines.stuck(threads):
+        return None
+    return bounded(outcome, worker.setup)
+
+
+RAY_REFUSAL = (
+    "a tool may not use Ray: a tool worker is a plain process outside the run's Ray cluster, where a Ray actor or "
+    "task would start a private Ray cluster in every worker (unseen by the run's resources, a named actor such as "
+    "a global rate limiter once per worker, its processes outliving a replaced worker); call the service from "
+    "an async `execute` instead (a worker runs episode.tool_calls_per_worker calls at once)"
+)
+
+
+def refuse_ray() -> None:
+    """Ray's implicit start (the first `.remote` starts a local cluster) is off here; a tool that started Ray
+    itself is refused once its tools are loaded, its cluster shut down."""
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"  # read when ray is imported, which the tools do after this
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        raise RuntimeError(f"a tool started Ray (ray.init): {RAY_REFUSAL}")
+
+
+def uses_ray(err: BaseException | None) -> bool:
+    """Whether `err`, or an error it came from, is Ray's refusal to start (a tool used Ray where it is off)."""
+    exceptions = sys.modules.get("ray.exceptions")
+    while exceptions is not None and err is not None:
+        if isinstance(err, exceptions.RaySystemError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def tool_of(err: BaseException) -> str:
+    """The class of the tool whose method raised `err` (the innermost frame whose `self` is a verl tool)."""
+    from verl.tools.base_tool import BaseTool
+
+    name = "a tool"
+    tb = err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, BaseTool):
+            name = f"{type(owner).__module__}.{type(owner).__qualname__}"
+        tb = tb.tb_next
+    return name
+
+
+def load(setup: ToolSetup) -> tuple[ToolWorker, ToolsReady]:
+    refuse_ray()
+    try:
+        tools = load_tools(setup.sources)
+    except Exception as err:
+        if uses_ray(err):
+            raise RuntimeError(f"{tool_of(err)} uses Ray in its tool worker: {RAY_REFUSAL}") from err
+        raise
+    refuse_ray()
     per_episode = frozenset(name for name, tool in tools.items() if lifetime(tool) == "episode")
-    return ToolWorker(tools, {}), ToolsReady(schemas(tools), per_episode)
+    return ToolWorker(tools, setup), ToolsReady(schemas(tools), per_episode)
 
 
 def answer(worker: ToolWorker, positions: list[int], items: list, loop) -> Iterator[list]:
-    for position, item in zip(positions, items):
-        run = contained(_release(worker, item)) if isinstance(item, ToolRelease) else run_call(worker, item)
-        yield [(position, loop.run_until_complete(run))]
+    """The job's items run at once, each answered as it ends (an item never answered is left to the pool)."""
+    worker.start(loop)
+    tasks = {loop.create_task(answer_item(worker, item)): position for position, item in zip(positions, items)}
+    pending = set(tasks)
+    while pending:
+        done, pending = loop.run_until_complete(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+        message = [(tasks[task], task.result()) for task in done if task.result() is not None]
+        if message:
+            yield message
 
 
 if __name__ == "__main__":

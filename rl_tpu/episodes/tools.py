@@ -4,7 +4,8 @@ A call that fails (the tool raised, timed out, killed its worker, returned somet
 `ToolResponse` with string text, found its worker down because it could not be started again, or was asked for an
 unknown tool or with bad JSON) answers the model with a short error text, as verl's agent loop does, and is
 counted; the episode goes on. The calls of a tool with an instance per episode (`lifetime: episode`) all go to the
-worker that holds it, and so does its release.
+worker that holds it, and so does its release. Each worker runs up to `calls_per_worker` calls at once
+(`rl_tpu.episodes.tool_worker`).
 
 Only when more than `episode.max_tool_failure_rate` of a batch's tool calls fail, or its first calls all do, does
 the run stop, with `ToolError` naming the tool that failed most and its first failure: the reward workers' rule
@@ -24,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from rl_tpu.cluster.call_deadlines import POOL_GRACE_S
 from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
 from rl_tpu.config.episode import EpisodeConfig
-from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease, ToolSources, ToolsReady
+from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease, ToolSetup, ToolSources, ToolsReady
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class ToolSettings:
     truncate_side: str = "middle"
     pass_env: tuple[str, ...] = ()
     max_failure_rate: float = EpisodeConfig.max_tool_failure_rate
+    calls_per_worker: int = EpisodeConfig.tool_calls_per_worker
 
 
 @dataclass(frozen=True)
@@ -57,18 +60,6 @@ class ToolResult:
     text: str  # what the model reads
     reward: float  # the step reward of `execute` plus `calc_reward` (0 for a failed call)
     failure: str | None = None  # the failure's kind, None when the call succeeded
-
-
-def truncate(text: str, limit: int, side: str) -> str:
-    """`text` cut to `limit` characters with verl's markers (its `tool_response_truncate_side`)."""
-    if len(text) <= limit:
-        return text
-    if side == "left":
-        return "(truncated)..." + text[-limit:]
-    if side == "right":
-        return text[:limit] + "...(truncated)"
-    half = limit // 2
-    return text[:half] + "...(truncated)..." + text[-half:]
 
 
 def failure_text(call: ToolCall, kind: str, message: str) -> str:
@@ -148,12 +139,16 @@ class ToolBox:
         self.settings = settings
         limits = WorkerLimits(settings.memory_mb, math.ceil(settings.timeout_s) + 1)
         self.where = where = " and ".join(p for p in (settings.config_file, settings.function_tool_path) if p)
+        sources = ToolSources(settings.config_file, settings.function_tool_path)
+        setup = ToolSetup(
+            sources, settings.timeout_s, settings.calls_per_worker, settings.max_response_chars, settings.truncate_side
+        )
         self.pool = WorkerPool(
             "rl_tpu.episodes.tool_worker",
-            (ToolSources(settings.config_file, settings.function_tool_path), limits),
+            (setup, limits),
             settings.num_workers,
             tool_environment(settings),
-            settings.timeout_s,
+            settings.timeout_s + POOL_GRACE_S,  # a call's own deadline is kept in its worker
             f"tool worker for {where}",
             ToolError,
         )
@@ -173,8 +168,8 @@ class ToolBox:
 
     def run(self, calls: list[ToolCall], ends: Sequence[ToolRelease] = ()) -> tuple[list[ToolResult], float]:
         """Every call's result, in order, then each release's (its reward `calc_reward`'s), and the seconds they
-        took; all run at once across the workers. Raises `ToolError` as soon as the batch's first calls all failed
-        (the rest of the turn is not run)."""
+        took; all run at once: spread over the workers, up to `calls_per_worker` at once in each. Raises `ToolError`
+        as soon as the batch's first calls all failed (the rest of the turn is not run)."""
         if not calls and not ends:
             return [], 0.0
         start = time.perf_counter()
@@ -184,9 +179,10 @@ class ToolBox:
             items,
             batched=False,
             failed=lambda kind, message: ("fail", kind, message),
-            shares_per_worker=len(items),
+            shares_per_worker=math.ceil(len(items) / (self.pool.size * self.settings.calls_per_worker)),
             give_up=None if self.tally.stopped else lambda o: self.tally.first_all_failed(names, o, at_least),
             route=lambda item: zlib.crc32(item.episode.encode()) if item.episode is not None else None,
+            concurrent=True,
         )
         for name, outcome in zip(names, outcomes):
             self.tally.add(name, outcome)
@@ -196,9 +192,7 @@ class ToolBox:
         for call, outcome in zip(items, outcomes):
             if outcome[0] == "ok":
                 _, text, reward = outcome
-                results.append(
-                    ToolResult(truncate(text, self.settings.max_response_chars, self.settings.truncate_side), reward)
-                )
+                results.append(ToolResult(text, reward))  # cut in the worker
                 continue
             _, kind, message = outcome
             text = failure_text(call, kind, message)

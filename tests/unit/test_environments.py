@@ -118,12 +118,16 @@ def test_an_openenv_environment_is_a_tool_whose_parameters_are_its_action_fields
     assert results[2].failure is None and results[2].text.startswith("error: unsupported operator")
 
 
+SERVER_PING_S = 1.5  # the server's keep-alive: a ping every 1.5 s, a connection closed if 1.5 s pass unanswered
+
+
 @pytest.fixture(scope="module")
 def remote_guess_toolbox(tmp_path_factory):
     """The guess-the-number game on a real OpenEnv server (examples/tools/guess_number_server.py) on loopback."""
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "guess_number_server.py", "--port", str(port)], cwd=REPO / "examples/tools"
+        [sys.executable, "guess_number_server.py", "--port", str(port), "--ping-s", str(SERVER_PING_S)],
+        cwd=REPO / "examples/tools",
     )
     deadline = time.monotonic() + 60
     while True:
@@ -179,6 +183,17 @@ def test_an_openenv_environment_with_lifetime_episode_is_one_game_across_the_epi
     assert [r.failure for r in ended] == [None, None, None]
     [gone], _ = openenv_toolbox.run([guess(1, "a")])
     assert gone.failure == "lost"  # closed with its episode
+
+
+def test_a_servers_session_outlasts_a_turn_longer_than_its_keep_alive(remote_guess_toolbox):
+    """Between two turns (the model generating) the worker answers the server's pings, so a game's WebSocket is
+    open at the next call (the default server closes a connection silent for 40 s; this one, for 3 s)."""
+    [opened], _ = remote_guess_toolbox.run([guess(50, "slow", target=70)])
+    assert opened.failure is None
+    time.sleep(3 * SERVER_PING_S + 1)
+    [moved], _ = remote_guess_toolbox.run([guess(70, "slow")])
+    assert (moved.failure, json.loads(moved.text)) == (None, {"hint": "correct", "guesses": 2})
+    remote_guess_toolbox.run([], [ToolRelease("guess", "slow")])
 
 
 def test_an_openenv_tool_is_given_a_class_or_a_server_and_a_server_it_cannot_read_is_named():

@@ -13,8 +13,8 @@ from conftest import compose_run
 
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeRunner, ToolCallParser, TurnOutput, TurnRequest
 from rl_tpu.episodes.render import ChatRenderer, PlainRenderer
-from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease
-from rl_tpu.episodes.tools import ToolBox, ToolError, ToolSettings, truncate
+from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease, truncate
+from rl_tpu.episodes.tools import ToolBox, ToolError, ToolSettings
 
 REPO = Path(__file__).resolve().parents[2]
 CALC_FUNCTION = str(REPO / "examples/tools/calc_function.py")
