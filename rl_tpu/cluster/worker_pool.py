@@ -287,10 +287,8 @@ class WorkerPool:
 
         `route(item)`, where given, pins an item to a worker (any int, taken modulo the pool's size; None: any
         worker): items that need what an earlier item left in a worker's memory go where it went, in order. A worker
-        replaced after a failure keeps its place, not its memory.
-
-        `concurrent`: a worker runs the items of its share at once and answers each as it ends, so when it dies
-        or stops answering, every item it has not answered fails with it (they were running together)."""
+        replaced after a failure keeps its place, not its memory. `concurrent`: a worker runs its share's items at
+        once, answering each as it ends; one that dies or goes silent fails all it has not answered."""
         self.running = True
         try:
             return self._run(items, batched, failed, shares_per_worker, give_up, route, concurrent)
@@ -299,11 +297,9 @@ class WorkerPool:
             if self.closed:  # closed meanwhile: its workers were killed; reap them here
                 self._stop_all()
 
-    def _run(
-        self, items: list, batched: bool, failed: Callable, shares_per_worker: int, give_up, route, concurrent: bool
-    ) -> list:
+    def _run(self, items: list, batched: bool, failed: Callable, shares: int, give_up, route, concurrent: bool) -> list:
         outcomes: list = [None] * len(items)
-        queue, own_queues = _shares(len(self.workers), items, batched, shares_per_worker, route)
+        queue, own_queues = _shares(len(self.workers), items, batched, shares, route)
         done = 0
         while done < len(items) and not self.closed:
             for place, own in enumerate(own_queues):
@@ -337,9 +333,9 @@ class WorkerPool:
                     worker.in_flight.remove(position)
                     done += 1
                 worker.deadline = time.monotonic() + self.timeout_s
-            # an answer that came while this loop was busy (starting a worker) is read before its deadline counts
-            late = [w for w in busy if w.in_flight and time.monotonic() > w.deadline and not w.inbox.poll()]
-            for worker in [w for w in late if not self.closed]:
+            for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline and not self.closed]:
+                if worker.inbox.poll():  # it answered while another worker's replacement started: read that first
+                    continue
                 timeout = failed("timeout", f"no answer within {self.timeout_s:g} s")
                 done += self._lose(worker, outcomes, batched or concurrent, timeout)
             if give_up is not None and done < len(items) and give_up(outcomes):
@@ -418,10 +414,8 @@ class WorkerPool:
         worker.outbox.send((positions, [items[p] for p in positions]))
 
     def _lose(self, worker: _Worker, outcomes: list, all_unanswered: bool, outcome: Any) -> int:
-        """A worker timed out or died: fail the item(s) it was on, requeue the rest, replace it. Returns the
-        number of items failed."""
-        # a worker that answers item by item in order was on its first unanswered item; a batched or concurrent
-        # one, on all of them
+        """A worker timed out or died: fail the item(s) it was on (all it had not answered, or the first of them for
+        a worker that answers in order), requeue the rest, replace it. Returns the number of items failed."""
         culprits = list(worker.in_flight) if all_unanswered else [worker.in_flight[0]]
         for position in culprits:
             outcomes[position] = outcome

@@ -31,6 +31,10 @@ class Blocks(BaseTool):  # a synchronous client inside an async tool: it holds t
     async def execute(self, instance_id, parameters, **kwargs):
         time.sleep(3600)
 
+class Exits(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        os._exit(3)
+
 class Huge(BaseTool):
     async def execute(self, instance_id, parameters, **kwargs):
         return ToolResponse(text="x" * 100_000_000), 0.0, {}
@@ -99,7 +103,7 @@ def tools_yaml(folder: Path, module: str, source: str, classes: dict[str, str]) 
 def toolbox(tmp_path_factory):
     """Two workers, 32 calls at once in each (the defaults), a 3 s deadline, 150 MB each beyond their tools."""
     folder = tmp_path_factory.mktemp("tools")
-    classes = {"Waits": "call", "Blocks": "call", "Huge": "call", "Counter": "episode"}
+    classes = {"Waits": "call", "Blocks": "call", "Exits": "call", "Huge": "call", "Counter": "episode"}
     (folder / "functions.py").write_text(FUNCTIONS)
     yaml = tools_yaml(folder, "slow_tools", TOOLS, classes)
     box = ToolBox(ToolSettings(yaml, str(folder / "functions.py"), 2, 3.0, 150, 64))
@@ -150,6 +154,14 @@ def test_a_call_stuck_in_a_thread_fails_alone_and_its_worker_is_replaced(toolbox
     after, _ = toolbox.run([ToolCall("stuck", json.dumps({"seconds": 0}), {}), waits(0.0), waits(0.0)])
     assert [(r.failure, r.text) for r in after][0] == (None, "woke")
     assert {r.failure for r in after} == {None}
+
+
+def test_a_worker_that_dies_fails_the_calls_it_was_running_and_no_other(toolbox):
+    # the first worker gets the first two calls, the second the other two: the dead worker's second call died with
+    # it (it is not run again; before, it was, and a crashing call after it crashed each replacement in turn)
+    results, _ = toolbox.run([ToolCall("exits", "{}", {}), waits(1.0), waits(1.0), waits(1.0)])
+    assert [r.failure for r in results] == ["crash", "crash", None, None]
+    assert "the worker died (exit code 3)" in results[1].text
 
 
 def test_an_episodes_calls_keep_their_order_and_a_timed_out_instance_is_dropped(toolbox):
