@@ -6,9 +6,9 @@ Three ways a call can outlive its deadline, and what each gets:
   worker, its other calls and what it holds go on;
 - it blocks the event loop (`time.sleep` or a synchronous client inside an async tool), which freezes every call
   of the worker: a watchdog thread sees the loop stop and interrupts the main thread with a signal, whose handler
-  raises `CallBlocked` in the code holding the loop, so that this call fails and the others resume (code that
-  does not return to Python, such as a C extension's long loop, is not reached: the pool's deadline, a little
-  later, replaces the worker);
+  raises `CallBlocked` in the code holding the loop, so that this call fails and the others resume with the
+  time they lost added to their deadlines (code that does not return to Python, such as a C extension's long
+  loop, is not reached: the pool's deadline, a little later, replaces the worker);
 - it runs in a thread (verl runs a synchronous function tool in one, as `asyncio.to_thread` does), which nothing
   can stop: the call's threads are tracked, and `stuck` says so, for the worker to leave the call unanswered and
   the pool to replace it.
@@ -73,6 +73,7 @@ class Deadlines:
         self.loop, self.timeout_s = loop, timeout_s
         self.beat = time.monotonic()  # when the loop last ran its tick
         self.interrupted: float | None = None  # the beat after which the watchdog last signalled
+        self.active: set[asyncio.Timeout] = set()  # the deadlines of the calls under way
         one_heap()
         loop.set_default_executor(CallThreads(max_workers=threads, thread_name_prefix="call"))
         signal.signal(INTERRUPT, self._interrupt)
@@ -94,6 +95,7 @@ class Deadlines:
         """`work`'s result, or `CallTimeout` once it passed the deadline (cancelled, or interrupted while it held
         the loop). A tool's own TimeoutError passes through as it is."""
         deadline = asyncio.timeout(self.timeout_s)
+        self.active.add(deadline)
         try:
             async with deadline:
                 return await work
@@ -102,10 +104,18 @@ class Deadlines:
                 raise
         except CallBlocked:
             pass
+        finally:
+            self.active.discard(deadline)
         raise CallTimeout(f"no answer within {self.timeout_s:g} s")
 
     def _tick(self) -> None:
-        self.beat = time.monotonic()
+        """Note that the loop runs. After it was held past a deadline (by a call, interrupted by now, or by the
+        worker's own send), the calls that waited get the time back: only the one that held it times out."""
+        now = time.monotonic()
+        if now - self.beat > self.timeout_s:
+            for deadline in [d for d in self.active if not d.expired()]:
+                deadline.reschedule(deadline.when() + now - self.beat)
+        self.beat = now
         self.loop.call_later(TICK_S, self._tick)
 
     def _watch(self) -> None:
