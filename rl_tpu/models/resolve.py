@@ -19,6 +19,7 @@ from filelock import FileLock, Timeout
 from rl_tpu.config import DataConfig, ModelConfig, TinyModelConfig
 from rl_tpu.data.arithmetic import (
     ARITHMETIC_OPS,
+    SPLIT_VERSION,
     answer_without_carry,
     arithmetic_prompt,
     split_arithmetic_problems,
@@ -45,6 +46,7 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
         "max_operand": data.max_operand,
         "num_eval": data.num_eval,
         "data_seed": data.seed,
+        "split": SPLIT_VERSION,  # the warm start trains on the training split
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_dir / "models" / f"tiny_arith-{key}"

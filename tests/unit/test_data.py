@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pandas as pd
 import pytest
 from conftest import REPO
 
 from rl_tpu.config import DataConfig
-from rl_tpu.data.arithmetic import ensure_arithmetic_dataset, split_arithmetic_problems
+from rl_tpu.data.arithmetic import ensure_arithmetic_dataset, problem_units, split_arithmetic_problems
 from rl_tpu.data.datasets import batches, load_examples
 
 GSM8K_FIXTURE = REPO / "tests" / "fixtures" / "gsm8k"
@@ -34,6 +35,30 @@ def test_split_is_exhaustive_and_disjoint():
     assert split_arithmetic_problems("+-", 99, 512, seed=0) == (train, test)  # deterministic
     with pytest.raises(ValueError, match="allowed characters"):
         split_arithmetic_problems("+/", 99, 10, seed=0)
+
+
+@pytest.mark.parametrize("ops, num_eval", [("+-", 512), ("*", 512), ("*", 511)])
+def test_no_held_out_problem_has_its_twin_in_training(ops, num_eval):
+    """47 * 83 held out and 83 * 47 trained on would leak the answer: commuted twins are held out together, and
+    the held-out set is still exactly num_eval problems."""
+    train, test = split_arithmetic_problems(ops, 99, num_eval, seed=0)
+    commuted = {(b, op, a) for a, op, b in test if op in "+*"}
+    assert len(test) == num_eval and len(train) + len(test) == len(ops) * 100 * 100
+    assert not commuted & set(train)
+    assert len(commuted & set(test)) == len(commuted)  # the twins are the held-out set's own
+
+
+def test_a_num_eval_that_pairs_cannot_fill_is_refused():
+    """0+0 and 1+1 shuffled first and the pair 0+1 / 1+0 last: 3 held-out places cannot be filled."""
+
+    def pair_comes_last(seed: int) -> bool:
+        units = problem_units("+", 1)
+        random.Random(seed).shuffle(units)
+        return len(units[-1]) == 2
+
+    seed = next(s for s in range(100) if pair_comes_last(s))
+    with pytest.raises(ValueError, match=r"data\.num_eval=3: .* fill 2 places: set data\.num_eval=2"):
+        split_arithmetic_problems("+", 1, 3, seed=seed)
 
 
 def test_dataset_is_verl_schema_and_loads(tmp_path, tiny_model_dir):
