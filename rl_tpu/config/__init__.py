@@ -76,7 +76,7 @@ class DataConfig:
     # the synthetic arithmetic task (used when neither train_files nor reasoning_gym.task is set)
     ops: str = "+-"
     max_operand: int = 99
-    num_eval: int = 512
+    num_eval: int = 512  # exactly this many held-out problems; 47*83 and 83*47 on one side (reference-workload.md)
 
     def __post_init__(self) -> None:
         if self.train_batch_size < 1:
