@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -146,10 +147,12 @@ def calls(*names: str) -> list[ToolCall]:
 def test_a_tool_that_fails_every_call_stops_the_run_after_its_first_calls_naming_it(flaky_box):
     flaky_box.begin_batch()
     with pytest.raises(ToolError) as stop:
-        flaky_box.run(calls(*["raises"] * 40))
+        flaky_box.run(calls(*["raises"] * 200))
     text = str(stop.value)
-    # at least eight calls, all failed: the rest of the batch is not run
-    assert text.startswith("8 of the 8 tool calls of this batch failed, every one of them")
+    # at least eight calls, all failed: the rest of the batch is not run (a worker runs a share of its calls at once,
+    # so the first answers are a share's, not exactly eight)
+    failed = re.match(r"(\d+) of the \1 tool calls of this batch failed, every one of them", text)
+    assert failed and 8 <= int(failed[1]) < 200, text
     assert "episode.max_tool_failure_rate=0.1" in text and "tool 'raises'" in text and "tools.yaml" in text
     assert "first failure (exception)" in text and "RuntimeError: the service is down" in text
 
