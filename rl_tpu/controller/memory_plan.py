@@ -239,7 +239,7 @@ def served_bytes(cfg: RunConfig, shape: ModelShape, kind: str) -> int:
 
 
 def published_items(cfg: RunConfig, shape: ModelShape, kind: str, rank: int, on_host: bool = False) -> list[Item]:
-    """The rank's share of the bundles its transport keeps until the engines install them (`kept_versions`: the
+    """The rank's share of the bundles its transport keeps until the engines have loaded them (`kept_versions`: the
     last, or the one before too), where they lie: on its device (a device transport's) or in the host's shared
     memory, which on CPU is counted in the rank's resident memory, as the benchmarks measure it. A transport that
     sends bucket by bucket (collective) keeps none."""
