@@ -36,6 +36,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The two tiers: every test under tests/e2e/ is marked `e2e` (`pytest -m e2e`); tests/unit/ is the unit tier
+    (`pytest -m "not e2e"`), pure functions and single processes, no Ray cluster or engine."""
+    e2e = REPO / "tests" / "e2e"
+    for item in items:
+        if e2e in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny_arith preset with random weights (no warm start): a real Hugging Face folder."""
@@ -185,6 +194,17 @@ def six_step_run(tmp_path_factory) -> Path:
 # --- builders shared by test files of both folders (import them from conftest) ---
 
 
+def placement_config(world_size: int = 1, engines: int = 1, layout: str = "auto", **ray_settings):
+    """A RunConfig with the settings a placement plan reads."""
+    from rl_tpu.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.trainer.world_size, cfg.sampler.num_engines, cfg.placement = world_size, engines, layout
+    for key, value in ray_settings.items():
+        setattr(cfg.ray, key, value)
+    return cfg
+
+
 def make_batch(seed: int = 0, size: int = 8, temperature: float = 0.7):
     """A random TrainBatch of `size` rows in groups of 4, with verl's GRPO advantages of random 0/1 rewards."""
     import random
@@ -203,6 +223,14 @@ def make_batch(seed: int = 0, size: int = 8, temperature: float = 0.7):
         rewards, [i // 4 for i in range(size)], [len(c) for c in completions], AlgorithmConfig()
     )
     return TrainBatch(prompts, completions, sampler, advantages, temperature)
+
+
+def shared_prompt_batch():
+    """Prompts of 3-9 and completions of 1-7 tokens; the three groups of 4 share their prompts, as in GRPO."""
+    import dataclasses
+
+    batch = make_batch(seed=11, size=12, temperature=1.0)
+    return dataclasses.replace(batch, prompt_ids=[batch.prompt_ids[i - i % 4] for i in range(len(batch))])
 
 
 def one_step(model_dir, batch, dtype: str = "float32", **trainer) -> tuple[dict, dict]:

@@ -1,5 +1,6 @@
-"""Idle engine cores lent to the trainer: who gets which loan, the engines' activity files, and the rank's
-widening and narrowing (in a child process: pinning changes every thread of the process it runs in)."""
+"""Idle engine cores lent to the trainer (who gets which loan: tests/unit/test_cpu_binding.py): the engines'
+activity files, and the rank's widening and narrowing (in a child process: pinning changes every thread of the
+process it runs in)."""
 
 from __future__ import annotations
 
@@ -12,36 +13,7 @@ import pytest
 import torch
 
 from rl_tpu.cluster.core_loan import Borrower
-from rl_tpu.cluster.cores import CoreLoan, CpuBinding, bind
-from rl_tpu.config import RunConfig
-
-
-def config(trainer_threads: int = 1, engine_threads: int = 2) -> RunConfig:
-    cfg = RunConfig()
-    cfg.trainer.max_staleness, cfg.trainer.threads_per_rank, cfg.sampler.threads = 1, trainer_threads, engine_threads
-    cfg.trainer.borrow_idle_cores = True
-    return cfg
-
-
-def test_a_nodes_engine_cores_are_dealt_to_its_ranks_and_each_loan_watches_every_engine_there():
-    trainers, engines = bind(
-        config(), ["n1", "n1", "n2"], ["n1", "n1"], pin=True, node_cores={"n1": 8, "n2": 4}, activity_folder="run-x"
-    )
-    # n1: ranks on cores 0 and 1, engines on 2-3 and 4-5
-    assert [t.loan for t in trainers[:2]] == [CoreLoan((2, 4), (0, 1), "run-x"), CoreLoan((3, 5), (0, 1), "run-x")]
-    assert trainers[2].loan is None  # no engine on n2
-    assert [e.activity_folder for e in engines] == ["run-x", "run-x"] and all(e.loan is None for e in engines)
-
-
-@pytest.mark.parametrize("change", ["unpinned", "switched off", "default"])
-def test_no_loan_unpinned_switched_off_or_by_default(change):
-    cfg = config()
-    cfg.trainer.borrow_idle_cores = change != "switched off"
-    if change == "default":
-        cfg.trainer.borrow_idle_cores = RunConfig().trainer.borrow_idle_cores
-    trainers, engines = bind(cfg, ["n"], ["n"], pin=change != "unpinned", node_cores={"n": 8}, activity_folder="f")
-    assert trainers[0].loan is None and engines[0].activity_folder is None
-
+from rl_tpu.cluster.cores import CoreLoan, CpuBinding
 
 PROBE = """
 import json, os, sys, time

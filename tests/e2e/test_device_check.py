@@ -9,8 +9,6 @@ import sys
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.e2e
-
 
 def test_device_check_runs_on_the_cpu_and_reports_its_figures(tmp_path):
     out = tmp_path / "device_check.json"

@@ -15,8 +15,6 @@ from conftest import REPO, cli_command, run_cli, tensorboard_scalars
 
 from rl_tpu.outputs.metrics import read_metrics
 
-pytestmark = pytest.mark.e2e
-
 STEP_KEYS = {
     "reward/mean",
     "sync/transport",

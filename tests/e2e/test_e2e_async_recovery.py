@@ -15,8 +15,6 @@ from test_e2e_recovery import finish
 from rl_tpu.outputs import rollout_log
 from rl_tpu.outputs.metrics import read_metrics
 
-pytestmark = pytest.mark.e2e
-
 
 def async_run(staleness: int, dynamic: bool, run_dir) -> tuple[str, ...]:
     return (

@@ -13,13 +13,10 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 from conftest import REPO, actor_pid, cli_command, run_cli, start_cli, wait_for_step
 from test_e2e import assert_same_steps
 
 from rl_tpu.outputs.metrics import read_metrics
-
-pytestmark = pytest.mark.e2e
 
 
 def finish(process: subprocess.Popen, run_dir, timeout_s: float = 300) -> str:

@@ -15,8 +15,6 @@ import sys
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module")
 def learning_check(tmp_path_factory, ray_cluster) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:

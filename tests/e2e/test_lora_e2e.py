@@ -18,8 +18,6 @@ from test_e2e import assert_same_steps
 
 from rl_tpu.outputs.metrics import read_metrics
 
-pytestmark = pytest.mark.e2e
-
 # a large learning rate: every version's adapter moves the policy well past the 1e-5 that tells versions apart
 LORA = ("actor.lora.lora_rank=8", "algorithm.lr=1e-2")
 

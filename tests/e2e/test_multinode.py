@@ -17,8 +17,6 @@ from rl_tpu.cluster.placement import PlacementError
 from rl_tpu.controller.run import run as run_training
 from rl_tpu.outputs.metrics import read_metrics
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):

@@ -102,14 +102,3 @@ def test_engine_and_trainer_with_an_fp32_stream_agree_more_closely(ray_cluster, 
         gaps[fp32_residual] = mean_gap(log_prob, t["sampler_logprobs"], t["response_mask"])
     # measured here: 2.19e-3 plain, 1.74e-3 with the fp32 stream (4 layers; 8.1e-3 and 4.4e-3 at 24 layers)
     assert 1e-4 < gaps[True] < 0.9 * gaps[False], gaps
-
-
-def test_bf16_on_a_cpu_without_native_bf16_is_warned_of(monkeypatch):
-    from rl_tpu.models.precision import slow_bf16_warning
-
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert "without native bf16" in slow_bf16_warning("bfloat16")
-    assert slow_bf16_warning("float32") is None
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert slow_bf16_warning("bfloat16") is None

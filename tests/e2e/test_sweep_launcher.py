@@ -1,16 +1,20 @@
-"""The Ray launcher's admission: trials start while their placement demand fits, and a trial past its deadline
-is cancelled and recorded as failed. Real Ray tasks stand in for the trials' runs."""
+"""The Ray launcher: trials start while their placement demand fits, and a trial past its deadline is cancelled and
+recorded as failed (real Ray tasks stand in for the trials' runs); a real sweep of runs on it, with its report."""
 
 from __future__ import annotations
 
+import csv
+import subprocess
+import sys
 import time
+from datetime import datetime
 
 from conftest import ship_by_value
 from hydra.conf import HydraConf
 from omegaconf import OmegaConf
 
-from rl_tpu.outputs.report import FAILED_FILE
-from rl_tpu.sweeps.ray_launcher import RayLauncherConf, Trial, fits, run_all
+from rl_tpu.outputs.report import FAILED_FILE, SUMMARY_CSV
+from rl_tpu.sweeps.ray_launcher import RayLauncherConf, Trial, run_all
 
 
 def trial(index: int, demand: dict, sweep_dir) -> Trial:
@@ -61,7 +65,45 @@ def test_a_trial_past_its_deadline_is_cancelled_and_recorded(ray_cluster, tmp_pa
     )
 
 
-def test_fits_counts_every_resource():
-    assert fits({"CPU": 2, "GPU": 1}, {"CPU": 1}, {"CPU": 3, "GPU": 1})
-    assert not fits({"CPU": 2, "GPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 3, "GPU": 1})
-    assert not fits({"TPU": 4}, {}, {"CPU": 8})
+def test_a_ray_launched_sweep_runs_trials_at_once_and_records_the_failed_ones(tmp_path):
+    """A 2x2 sweep on the Ray launcher; a local cluster of 4 CPUs holds two 2-CPU trials at once.
+
+    The batch of 100000 prompts is more than the task has: those two trials fail, are listed as failed, and
+    the sweep still runs the others and exits non-zero.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_tpu.main",
+        "-m",
+        "+recipe=grpo_math",
+        "hydra/launcher=ray",
+        "ray.num_cpus=4",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        f"cache_dir={tmp_path / 'cache'}",
+        "model.tiny.warm_start_steps=0",
+        "sampler.n=4",
+        "data.num_eval=16",
+        "trainer.total_steps=2",
+        "trainer.checkpoint_final=false",
+        "trainer.export=false",
+        "algorithm.lr=1e-5,1e-4",
+        "data.train_batch_size=4,100000",
+    ]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert result.returncode != 0 and "2 trial(s) of the sweep failed (1, 3)" in result.stderr, result.stderr[-4000:]
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert summary in result.stdout
+    assert (
+        "| algorithm.lr=1e-05 data.train_batch_size=100000 | failed: ValueError: data.train_batch_size=100000"
+        in summary
+    )
+    with (tmp_path / "sweep" / SUMMARY_CSV).open() as f:
+        finished = [r for r in csv.DictReader(f) if r["status"] == "finished"]
+    assert len(finished) == 2 and all(r["steps"] == "2" for r in finished)
+    spans = [(datetime.fromisoformat(r["started"]), datetime.fromisoformat(r["ended"])) for r in finished]
+    overlapping = max(sum(start <= moment < end for start, end in spans) for moment, _ in spans)
+    assert overlapping >= 2, f"no two trials ran at once: {spans}"
+    with (tmp_path / "sweep" / "plots" / "reward.csv").open() as f:
+        header = next(csv.reader(f))
+    assert len(header) == 1 + 2  # step, then one line per finished trial

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rl_tpu.cluster.cores import CoreLease, CpuBinding, bind, should_pin
+from rl_tpu.cluster.cores import CoreLease, CoreLoan, CpuBinding, bind, should_pin
 from rl_tpu.config import RunConfig
 
 
@@ -145,3 +145,30 @@ def test_an_engine_over_two_cpu_workers_splits_its_cores_or_its_threads(monkeypa
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "12,13|14,15"  # the node's CPUs at the engine's positions
     tensor_parallel_args(EngineOptions(binding=CpuBinding(threads=4), tensor_parallel_size=2), True, [0, 1, 2, 3])
     assert (os.environ["VLLM_CPU_OMP_THREADS_BIND"], os.environ["OMP_NUM_THREADS"]) == ("nobind", "2")
+
+
+def lending() -> RunConfig:
+    """Async (so engines and ranks can overlap), one thread a rank, two an engine, idle cores lent."""
+    cfg = config(staleness=1, trainer_threads=1, engine_threads=2)
+    cfg.trainer.borrow_idle_cores = True
+    return cfg
+
+
+def test_a_nodes_engine_cores_are_dealt_to_its_ranks_and_each_loan_watches_every_engine_there():
+    trainers, engines = bind(
+        lending(), ["n1", "n1", "n2"], ["n1", "n1"], pin=True, node_cores={"n1": 8, "n2": 4}, activity_folder="run-x"
+    )
+    # n1: ranks on cores 0 and 1, engines on 2-3 and 4-5
+    assert [t.loan for t in trainers[:2]] == [CoreLoan((2, 4), (0, 1), "run-x"), CoreLoan((3, 5), (0, 1), "run-x")]
+    assert trainers[2].loan is None  # no engine on n2
+    assert [e.activity_folder for e in engines] == ["run-x", "run-x"] and all(e.loan is None for e in engines)
+
+
+@pytest.mark.parametrize("change", ["unpinned", "switched off", "default"])
+def test_no_loan_unpinned_switched_off_or_by_default(change):
+    cfg = lending()
+    cfg.trainer.borrow_idle_cores = change != "switched off"
+    if change == "default":
+        cfg.trainer.borrow_idle_cores = RunConfig().trainer.borrow_idle_cores
+    trainers, engines = bind(cfg, ["n"], ["n"], pin=change != "unpinned", node_cores={"n": 8}, activity_folder="f")
+    assert trainers[0].loan is None and engines[0].activity_folder is None

@@ -1,7 +1,7 @@
 """The train-step settings that make it faster change nothing they should not: sequences sorted by length give
 the padded loss and gradients (fp32, 1e-6), so do prompts run once per group (`share_prompts`) and rows left
-out for having no advantage, bf16 stays within stated tolerances of fp32, and the compiled step gives the
-eager loss."""
+out for having no advantage, and bf16 stays within stated tolerances of fp32 (the compiled step and two ranks in processes of their own:
+tests/e2e/test_train_step_processes.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_batch, one_step
+from conftest import one_step, shared_prompt_batch
 
 
 @pytest.fixture(scope="module")
 def batch():
-    """Prompts of 3-9 and completions of 1-7 tokens; the three groups of 4 share their prompts, as in GRPO."""
-    batch = make_batch(seed=11, size=12, temperature=1.0)
-    return dataclasses.replace(batch, prompt_ids=[batch.prompt_ids[i - i % 4] for i in range(len(batch))])
+    return shared_prompt_batch()
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +84,6 @@ def test_bf16_training_stays_within_tolerance_of_fp32(tiny_model_dir, batch, fp3
         assert torch.nn.functional.cosine_similarity(other.flatten(), grad.flatten(), dim=0) > 0.999, name
 
 
-def test_the_compiled_step_gives_the_eager_loss(tiny_model_dir, batch, fp32_step):
-    """Compiled with the prompts run once per group (the default), against eager whole sequences."""
-    eager, eager_grads = fp32_step
-    compiled, compiled_grads = one_step(tiny_model_dir, batch, sort_by_length=False, compile=True, share_prompts=True)
-    assert compiled["actor/loss"] == pytest.approx(eager["actor/loss"], rel=1e-5, abs=1e-5)
-    for name, grad in eager_grads.items():
-        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
-
-
 def test_rows_without_advantage_are_not_run_and_change_neither_loss_nor_gradients(tiny_model_dir, batch):
     """The second group scored alike (all-zero advantages) and one row is out of the loss: with the default
     (skip_zero_advantage_rows unset) the step runs the other seven rows only, to the full batch's loss and
@@ -117,57 +106,3 @@ def test_rows_without_advantage_are_not_run_and_change_neither_loss_nor_gradient
     bucketed, _ = one_step(tiny_model_dir, quiet, sort_by_length=False, skip_zero_advantage_rows=None, seq_buckets=[16])
     assert bucketed["perf/rows_skipped_frac"] == pytest.approx(4 / 12)
     assert bucketed["actor/loss"] == pytest.approx(every_row["actor/loss"], rel=1e-5, abs=1e-6)
-
-
-def rank_step(rank: int, port: int, model_dir: str, batch, results) -> None:
-    """One rank of a two-rank trainer (gloo) in a process of its own: its step's metrics, or its error."""
-    from rl_tpu.config import RunConfig
-    from rl_tpu.trainer.worker import TrainerWorker
-
-    cfg = RunConfig()
-    cfg.device, cfg.model.dtype, cfg.trainer.micro_batch_size, cfg.trainer.sort_by_length = "cpu", "float32", 2, False
-    try:
-        worker = TrainerWorker(cfg, model_dir, rank, 2, "127.0.0.1", port)
-        results.put((rank, worker.train_step(batch)))
-        worker.shutdown()
-    except Exception as err:  # reported to the test, which would otherwise wait for a rank that is gone
-        results.put((rank, repr(err)))
-
-
-def test_ranks_whose_completions_differ_in_length_run_the_same_forwards(tiny_model_dir, batch):
-    """Shared prompts (the default) run the prompts, then the completions: a rank whose micro-batch held only
-    one-token completions once skipped the second forward, and FSDP's collectives, paired across the ranks,
-    deadlocked the step (seen when the rows without advantage were topped up with the shortest ones). Each rank
-    here gets such a micro-batch against the other's longer ones; both must finish the same step."""
-    import multiprocessing
-    import queue
-
-    from conftest import free_port
-
-    mixed = dataclasses.replace(
-        batch,
-        completion_ids=[c[:1] if i < 6 else c for i, c in enumerate(batch.completion_ids)],
-        sampler_logprobs=[s[:1] if i < 6 else s for i, s in enumerate(batch.sampler_logprobs)],
-        advantages=[a[:1] if i < 6 else a for i, a in enumerate(batch.advantages)],
-    )
-    context = multiprocessing.get_context("spawn")
-    results, port = context.Queue(), free_port()
-    ranks = [context.Process(target=rank_step, args=(r, port, str(tiny_model_dir), mixed, results)) for r in (0, 1)]
-    for process in ranks:
-        process.start()
-    try:
-        finished = dict(results.get(timeout=180) for _ in ranks)
-    except queue.Empty:
-        finished = None
-    finally:
-        for process in ranks:
-            process.kill()
-            process.join()
-    assert finished is not None, "a rank did not finish its step within 180 s: the ranks' collectives deadlocked"
-    assert all(isinstance(m, dict) for m in finished.values()), finished
-    assert finished[0]["actor/loss"] == finished[1]["actor/loss"]  # summed over both ranks: the same step
-    # the largest engine-trainer gap of any token, whichever rank holds it: that of one rank given every row
-    single = one_step(tiny_model_dir, mixed, sort_by_length=False)[0]["actor/logprob_diff_max"]
-    assert finished[0]["actor/logprob_diff_max"] == finished[1]["actor/logprob_diff_max"]
-    assert finished[0]["actor/logprob_diff_max"] == pytest.approx(single, rel=1e-5)
-    assert single > finished[0]["actor/logprob_diff"] > 0

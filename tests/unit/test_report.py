@@ -1,18 +1,17 @@
-"""Run and sweep reports: the summary table and the plots a multirun leaves in its folder."""
+"""Run and sweep reports: the summary table and the plots a multirun leaves in its folder; the Ray launcher's
+admission arithmetic."""
 
 from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
-from datetime import datetime
 
 import pytest
 import yaml
 
 from rl_tpu.outputs.plots import lines_figure, trial_table
 from rl_tpu.outputs.report import SUMMARY_CSV, run_summary, sweep_table, write_sweep_report
+from rl_tpu.sweeps.ray_launcher import fits
 
 
 def fake_run(folder, overrides, evals, rewards, step_s=1.0, started=None):
@@ -89,46 +88,7 @@ def test_a_folder_that_is_not_a_sweep_is_named(tmp_path):
         sweep_table(tmp_path)
 
 
-@pytest.mark.e2e
-def test_a_ray_launched_sweep_runs_trials_at_once_and_records_the_failed_ones(tmp_path):
-    """A 2x2 sweep on the Ray launcher; a local cluster of 4 CPUs holds two 2-CPU trials at once.
-
-    The batch of 100000 prompts is more than the task has: those two trials fail, are listed as failed, and
-    the sweep still runs the others and exits non-zero.
-    """
-    cmd = [
-        sys.executable,
-        "-m",
-        "rl_tpu.main",
-        "-m",
-        "+recipe=grpo_math",
-        "hydra/launcher=ray",
-        "ray.num_cpus=4",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        f"cache_dir={tmp_path / 'cache'}",
-        "model.tiny.warm_start_steps=0",
-        "sampler.n=4",
-        "data.num_eval=16",
-        "trainer.total_steps=2",
-        "trainer.checkpoint_final=false",
-        "trainer.export=false",
-        "algorithm.lr=1e-5,1e-4",
-        "data.train_batch_size=4,100000",
-    ]
-    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert result.returncode != 0 and "2 trial(s) of the sweep failed (1, 3)" in result.stderr, result.stderr[-4000:]
-    summary = (tmp_path / "sweep" / "summary.md").read_text()
-    assert summary in result.stdout
-    assert (
-        "| algorithm.lr=1e-05 data.train_batch_size=100000 | failed: ValueError: data.train_batch_size=100000"
-        in summary
-    )
-    with (tmp_path / "sweep" / SUMMARY_CSV).open() as f:
-        finished = [r for r in csv.DictReader(f) if r["status"] == "finished"]
-    assert len(finished) == 2 and all(r["steps"] == "2" for r in finished)
-    spans = [(datetime.fromisoformat(r["started"]), datetime.fromisoformat(r["ended"])) for r in finished]
-    overlapping = max(sum(start <= moment < end for start, end in spans) for moment, _ in spans)
-    assert overlapping >= 2, f"no two trials ran at once: {spans}"
-    with (tmp_path / "sweep" / "plots" / "reward.csv").open() as f:
-        header = next(csv.reader(f))
-    assert len(header) == 1 + 2  # step, then one line per finished trial
+def test_fits_counts_every_resource():
+    assert fits({"CPU": 2, "GPU": 1}, {"CPU": 1}, {"CPU": 3, "GPU": 1})
+    assert not fits({"CPU": 2, "GPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 3, "GPU": 1})
+    assert not fits({"TPU": 4}, {}, {"CPU": 8})
