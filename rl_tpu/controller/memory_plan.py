@@ -8,7 +8,7 @@ ranks; a LoRA trainer's frozen base in the served dtype; the largest FSDP unit u
 a transport keeps and their checksums' working copies; the engines' weights, KV cache and received buckets; on an
 accelerator, the caching allocator's slack, and on the host the processes and rank 0's whole model read in fp32.
 How close it came to the recorded peaks: docs/performance.md#the-memory-plan. It may import the config, the model
-files' helpers and the settings the actors start with (a controller module).
+families' shapes and the settings the actors start with (a controller module).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from rl_tpu.cluster import placement
 from rl_tpu.cluster.device import Device
 from rl_tpu.config import RunConfig, value_of
 from rl_tpu.controller.actors import GPU_MEMORY_COLOCATED, GPU_MEMORY_OWN_DEVICE
-from rl_tpu.controller.model_shape import ModelShape
+from rl_tpu.models.families import model_shape
 from rl_tpu.models.logprobs import bucketed
+from rl_tpu.models.shape import ModelShape
 from rl_tpu.sampler.engine import CPU_KV_CACHE_GB
 from rl_tpu.sync.bundle import CHECKSUM_CHUNK_WORDS
 from rl_tpu.sync.registry import transport_class
@@ -132,17 +133,15 @@ class MemoryPlan:
 def activation_items(cfg: RunConfig, shape: ModelShape, kind: str) -> list[Item]:
     """One micro-batch's saved activations (its longest rows), and its logits over the vocabulary.
 
-    A Llama/Qwen block keeps for its backward about 13 hidden-sized tensors per token (the norms' inputs and outputs,
-    q/k/v after RoPE and GQA's repeat, the attention output, the projections' inputs, the residual sums) and 4
-    MLP-sized ones (gate, up, the activation, their product), in the compute dtype; eager attention also keeps its
-    probabilities over the sequence (fp32 and the compute dtype). Checkpointed, each block keeps its input (the
+    A block keeps for its backward what its family's shape says (`ModelShape.block_saved_bytes`), in the compute
+    dtype; eager attention also keeps its probabilities over the sequence (fp32 and the compute dtype). Checkpointed, each block keeps its input (the
     residual stream: fp32 with model.fp32_residual) and one block is recomputed at a time."""
     t, dtype = cfg.trainer, cfg.model.torch_dtype
     size = dtype.itemsize
     completion = bucketed(cfg.completion_tokens, t.seq_buckets)
     seq = bucketed(cfg.data.max_prompt_length, t.seq_buckets) + completion
     tokens = t.micro_batch_size * seq
-    block = size * (13 * shape.hidden + 4 * shape.intermediate)
+    block = shape.block_saved_bytes(size)
     if attention(t.attn_implementation, Device(kind), dtype) == "eager":
         block += shape.heads * seq * (4 + size)
     if t.activation_checkpointing:
@@ -411,7 +410,7 @@ def check(cfg: RunConfig, model_path: Path) -> None:
         )
         return
     try:
-        shape = ModelShape.of(model_path)
+        shape = model_shape(model_path)
     except KeyError as missing:  # not a plain decoder's config (its sizes under text_config, say)
         log.info("memory plan: not made: %s has no %s", model_path / "config.json", missing)
         return

@@ -11,6 +11,7 @@ import pytest
 from rl_tpu.config import RunConfig, TrainerConfig
 from rl_tpu.controller import memory_plan
 from rl_tpu.controller.memory_plan import GiB, ModelShape
+from rl_tpu.models.families import model_shape
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 QWEN_05B = {  # Qwen2.5-0.5B's config.json sizes, as benchmarks/real_size.py builds the model
@@ -231,7 +232,7 @@ def test_the_plan_reads_the_model_folder_and_lines_show_each_item(tiny_model_dir
     with caplog.at_level(logging.INFO, logger=memory_plan.__name__):
         memory_plan.check(cfg, tiny_model_dir)
     assert "this host" in caplog.text and "AdamW's two fp32 states" in caplog.text and "KV cache" in caplog.text
-    folder = ModelShape.of(tiny_model_dir)
+    folder = model_shape(tiny_model_dir)
     config = json.loads((tiny_model_dir / "config.json").read_text())
     assert folder.parameters > 0 and folder.hidden == config["hidden_size"]
     cfg.trainer.memory_check = "off"
