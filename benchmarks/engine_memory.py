@@ -67,12 +67,13 @@ def measure_engine(model: str, kv_cache_gb: float, max_model_len: int) -> dict:
 def planned(model: Path, kv_cache_gb: float) -> tuple[int, dict[str, float]]:
     """The model's parameter count and the plan's engine phases in GiB."""
     from rl_tpu.config import RunConfig
-    from rl_tpu.controller.memory_plan import ModelShape, engine_phases
+    from rl_tpu.models.families import model_shape
+    from rl_tpu.sampler.memory import phases as engine_phases
 
     cfg = RunConfig()
     cfg.device, cfg.model.dtype, cfg.sampler.kv_cache_gb = "cpu", "bfloat16", kv_cache_gb
-    shape = ModelShape.of(model)
-    phases = engine_phases(cfg, shape, "cpu", "disaggregated", None)
+    shape = model_shape(model)
+    phases = engine_phases(cfg, shape, "cpu", None, 0.0)  # on CPU vLLM is given no share
     return shape.parameters, {phase: sum(item.bytes for item in items) / GiB for phase, items in phases.items()}
 
 

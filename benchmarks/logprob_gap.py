@@ -68,14 +68,13 @@ def trainer_model(model: Path, dtype: str, fp32_residual: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl_tpu.models.hf import decoder_layers
     from rl_tpu.models.precision import keep_residual_fp32
 
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     for param in net.parameters():  # as FSDP2's MixedPrecisionPolicy: parameters cast, buffers kept
         param.data = param.data.to(getattr(torch, dtype))
     if fp32_residual:
-        keep_residual_fp32(net, decoder_layers(net))
+        keep_residual_fp32(net)
     return net
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from rl_tpu.cluster.cores import CpuBinding, pin_threads
-from rl_tpu.models.hf import decoder_layers
+from rl_tpu.models.families import decoder_layers
 
 BUSY, IDLE = b"1", b"0"
 

@@ -1,4 +1,4 @@
-"""Hugging Face model folders and names: parameter names without wrappers, the decoder blocks, the non-weight files."""
+"""Hugging Face model folders and names: parameter names without wrappers, the weight files, the non-weight files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 
 MODEL_FILES = "hf"  # in each checkpoint folder: the model folder without its weights
 LORA_BASE_FILE = "lora_base.json"  # in a LoRA checkpoint: the checksum of the frozen base its adapter applies to
@@ -64,11 +63,3 @@ def stored_weights(model_path: str | Path, dtype: torch.dtype) -> Iterator[tuple
     for name in sorted(files):
         with safe_open(str(files[name]), "pt") as f:
             yield name, f.get_tensor(name).to(dtype)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The repeated blocks of a Hugging Face causal LM (`model.model.layers` for Llama/Qwen-style models)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: expected decoder blocks at model.model.layers")
-    return layers

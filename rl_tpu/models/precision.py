@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rl_tpu.models.families import family_of
+
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX on this host. Without either, PyTorch's bf16 matmul takes a scalar fallback:
@@ -32,10 +34,6 @@ def slow_bf16_warning(dtype: str) -> str | None:
         "model.dtype=bfloat16 on a CPU without native bf16 (AVX512-BF16 or AMX): its bf16 matmuls run about "
         "60x slower than fp32 (benchmarks/README.md); model.dtype=float32 trains faster here"
     )
-
-
-# the norms inside a decoder block that read the residual stream (Llama / Qwen2 / Qwen3 naming)
-BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def rms_norm_of_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,14 +62,16 @@ def _residual_to_fp32(module: nn.Module, args: tuple, kwargs: dict):
     return args, {**kwargs, "hidden_states": kwargs["hidden_states"].float()}
 
 
-def keep_residual_fp32(model: nn.Module, layers: nn.ModuleList) -> None:
-    """Make a Hugging Face decoder carry its residual stream in fp32 while it computes in bf16.
+def keep_residual_fp32(model: nn.Module) -> None:
+    """Make a Hugging Face decoder carry its residual stream in fp32 while it computes in bf16: its family's record
+    says which norms read the stream (`families.ModelFamily.residual_norms`).
 
     The first block's input is cast to fp32; each block's `residual + output` then stays fp32 by
     type promotion, and its norms (and the final norm) hand bf16 to the layers that follow them.
     Under FSDP2 the blocks must not cast their inputs to bf16 (`apply_fsdp(cast_block_inputs=False)`).
     """
-    norms = [(layer, name) for layer in layers for name in BLOCK_NORMS] + [(model.model, "norm")]
+    family = family_of(model)
+    norms = family.residual_norms(model)
     unknown = [
         f"{type(getattr(owner, name, None)).__name__} at .{name}"
         for owner, name in norms
@@ -84,7 +84,7 @@ def keep_residual_fp32(model: nn.Module, layers: nn.ModuleList) -> None:
         )
     for owner, name in norms:
         setattr(owner, name, Fp32InputRMSNorm(getattr(owner, name)))
-    for layer in layers:
+    for layer in family.decoder_layers(model):
         layer.register_forward_pre_hook(_residual_to_fp32, with_kwargs=True)
 
 

@@ -90,24 +90,23 @@ def check_context(model_path: Path, prompt_tokens: int, completion_tokens: int, 
 
 
 def check_decoder(model_path: Path, fp32_residual: bool = False) -> None:
-    """The trainer shards `model.model.layers` block by block (and, with `fp32_residual`, replaces their
-    RMSNorms): check a model has them, built on the meta device."""
+    """The model's family has a record (`families.py`) and the model is laid out as it says: the trainer shards its
+    blocks one by one (and, with `fp32_residual`, replaces their norms). Checked on a model built on the meta
+    device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl_tpu.models.hf import decoder_layers
+    from rl_tpu.models.families import family_at
     from rl_tpu.models.precision import keep_residual_fp32
 
+    family = family_at(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     try:
-        layers = decoder_layers(model)
+        family.decoder_layers(model)
+        if fp32_residual:
+            keep_residual_fp32(model)
     except TypeError as err:
-        raise TypeError(f"model.path={model_path}: {err}; rl_tpu trains Llama/Qwen-style decoders") from err
-    if fp32_residual:
-        try:
-            keep_residual_fp32(model, layers)
-        except TypeError as err:
-            raise TypeError(f"model.path={model_path}: {err}") from err
+        raise TypeError(f"model.path={model_path}: {err}") from err
 
 
 def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> None:

@@ -11,9 +11,10 @@ from typing import Iterator
 
 import torch
 
+from rl_tpu.models.families import family_at
 from rl_tpu.records import WeightBundle
 from rl_tpu.sampler.adapters import AdapterServing, ServedAdapters
-from rl_tpu.sync.bundle import check_kind, check_names
+from rl_tpu.sync.bundle import FusedWeights, check_kind, check_names
 
 
 def engine_parameter_names(worker) -> list[str]:
@@ -49,8 +50,9 @@ class FullWeights:
 
     request = None  # the weights in place serve every request
 
-    def __init__(self, llm):
+    def __init__(self, llm, fused_weights: FusedWeights):
         self.llm = llm
+        self.fused_weights = fused_weights  # the model family's (`families.ModelFamily.fused_weights`)
         self.workers = llm.llm_engine.vllm_config.parallel_config.world_size  # tensor-parallel worker processes
         # what the engine holds (fused names included, a tied head once): every install must fill all of it
         self.engine_params = set(llm.collective_rpc(engine_parameter_names)[0])
@@ -59,7 +61,7 @@ class FullWeights:
 
     def check(self, bundle: WeightBundle) -> None:
         check_kind(bundle, serves_adapters=False)
-        check_names(bundle, self.engine_params)
+        check_names(bundle, self.engine_params, self.fused_weights)
 
     def install(self, bundle: WeightBundle, tensors: list[tuple[str, torch.Tensor]]) -> None:
         # a tied head loaded under its own name too: vLLM's CPU backend packs the head into storage of its own at
@@ -79,4 +81,6 @@ class FullWeights:
 def served_weights(
     llm, adapters: AdapterServing | None, model_path: str, dtype: torch.dtype
 ) -> FullWeights | ServedAdapters:
-    return FullWeights(llm) if adapters is None else ServedAdapters(llm, adapters, model_path, dtype)
+    if adapters is None:
+        return FullWeights(llm, family_at(model_path).fused_weights)
+    return ServedAdapters(llm, adapters, model_path, dtype)

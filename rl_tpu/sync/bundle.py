@@ -112,21 +112,19 @@ def plan_buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-# Weights an engine stores fused, {engine weight: the Hugging Face weights it concatenates, in order}:
-# vLLM's attention and MLP layers for Llama/Qwen-style models. The one place names are mapped.
-FUSED_WEIGHTS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
+# Weights an engine stores fused: {engine weight: the Hugging Face weights it concatenates, in order}, each name
+# relative to a block. The model's family record holds them (`rl_tpu.models.families`); the engine's side passes
+# them in, as sync imports nothing of models.
+FusedWeights = dict[str, tuple[str, ...]]
 
 
-def engine_name(name: str, engine_params: set[str]) -> tuple[str, int]:
+def engine_name(name: str, engine_params: set[str], fused_weights: FusedWeights) -> tuple[str, int]:
     """The engine parameter a Hugging Face weight is loaded into, and how many weights fill it.
 
     `model.layers.0.self_attn.k_proj.weight` -> (`model.layers.0.self_attn.qkv_proj.weight`, 3)
-    when the engine fuses q/k/v; otherwise the name itself, filled by one weight.
+    when the engine fuses q/k/v (`fused_weights`); otherwise the name itself, filled by one weight.
     """
-    for fused, parts in FUSED_WEIGHTS.items():
+    for fused, parts in fused_weights.items():
         for part in parts:
             candidate = name.replace(f".{part}.", f".{fused}.")
             if candidate != name and candidate in engine_params:
@@ -134,12 +132,13 @@ def engine_name(name: str, engine_params: set[str]) -> tuple[str, int]:
     return name, 1
 
 
-def check_names(bundle: WeightBundle, engine_params: set[str]) -> None:
-    """Refuse a bundle that would leave any engine weight, or part of a fused one, at the old version."""
+def check_names(bundle: WeightBundle, engine_params: set[str], fused_weights: FusedWeights) -> None:
+    """Refuse a bundle that would leave any engine weight, or part of a fused one (`engine_name`), at the old
+    version."""
     filled: dict[str, set[str]] = {}
     needed: dict[str, int] = {}
     for name in bundle.names:
-        target, parts = engine_name(name, engine_params)
+        target, parts = engine_name(name, engine_params, fused_weights)
         filled.setdefault(target, set()).add(name)
         needed[target] = parts
     missing = sorted(engine_params - filled.keys())

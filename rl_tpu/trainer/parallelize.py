@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rl_tpu.cluster.device import Device
-from rl_tpu.models.hf import decoder_layers
+from rl_tpu.models.families import decoder_layers
 from rl_tpu.models.precision import keep_residual_fp32
 
 
@@ -33,7 +33,7 @@ def apply_compile(model: nn.Module, device: Device) -> None:
 
 
 def apply_fp32_residual(model: nn.Module) -> None:
-    keep_residual_fp32(model, decoder_layers(model))
+    keep_residual_fp32(model)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, cast_block_inputs: bool = True) -> None:

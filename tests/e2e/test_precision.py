@@ -8,7 +8,7 @@ import torch
 from conftest import free_port, make_batch
 
 from rl_tpu.config import RunConfig
-from rl_tpu.models.hf import decoder_layers
+from rl_tpu.models.families import decoder_layers
 from rl_tpu.models.logprobs import pad_batch, token_logprobs
 from rl_tpu.models.precision import keep_residual_fp32
 from rl_tpu.records import TrainBatch
@@ -24,7 +24,7 @@ def bf16_model(model_dir, fp32_residual: bool) -> torch.nn.Module:
     for param in model.parameters():  # as FSDP2's mixed precision does: buffers (rotary frequencies) stay fp32
         param.data = param.data.to(torch.bfloat16)
     if fp32_residual:
-        keep_residual_fp32(model, decoder_layers(model))
+        keep_residual_fp32(model)
     return model
 
 

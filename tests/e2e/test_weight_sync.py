@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rl_tpu.cluster.cores import CpuBinding
+from rl_tpu.models.families import LLAMA
 from rl_tpu.models.logprobs import pad_batch, token_logprobs
 from rl_tpu.records import Bucket, TensorSpec, TrainBatch, WeightBundle, WeightSyncError
 from rl_tpu.sampler.engine import EngineOptions, SamplingSettings, launch_sampler
@@ -279,20 +280,20 @@ FUSED_ENGINE = {
 
 
 def test_names_map_onto_fused_engine_weights():
-    assert engine_name("model.layers.0.self_attn.k_proj.weight", FUSED_ENGINE) == (
+    assert engine_name("model.layers.0.self_attn.k_proj.weight", FUSED_ENGINE, LLAMA.fused_weights) == (
         "model.layers.0.self_attn.qkv_proj.weight",
         3,
     )
-    assert engine_name("model.layers.0.mlp.up_proj.weight", FUSED_ENGINE) == (
+    assert engine_name("model.layers.0.mlp.up_proj.weight", FUSED_ENGINE, LLAMA.fused_weights) == (
         "model.layers.0.mlp.gate_up_proj.weight",
         2,
     )
-    assert engine_name("model.layers.0.mlp.up_proj.weight", set(HF_LAYER)) == (
+    assert engine_name("model.layers.0.mlp.up_proj.weight", set(HF_LAYER), LLAMA.fused_weights) == (
         "model.layers.0.mlp.up_proj.weight",
         1,
     )  # an engine that does not fuse keeps the names
-    check_names(bundle_named(HF_LAYER), FUSED_ENGINE)
-    check_names(bundle_named(HF_LAYER), set(HF_LAYER))
+    check_names(bundle_named(HF_LAYER), FUSED_ENGINE, LLAMA.fused_weights)
+    check_names(bundle_named(HF_LAYER), set(HF_LAYER), LLAMA.fused_weights)
 
 
 @pytest.mark.parametrize(
@@ -309,14 +310,14 @@ def test_names_map_onto_fused_engine_weights():
 )
 def test_bundle_that_does_not_fill_the_engine_is_refused(names, message):
     with pytest.raises(WeightSyncError, match=message):
-        check_names(bundle_named(names), FUSED_ENGINE)
+        check_names(bundle_named(names), FUSED_ENGINE, LLAMA.fused_weights)
 
 
 def test_a_head_is_required_where_it_is_not_tied_and_refused_twice_where_it_is():
     """A tied head shares the embedding's parameter in the engine and travels once; an untied one is a weight."""
     untied_engine = FUSED_ENGINE | {"lm_head.weight"}
-    check_names(bundle_named([*HF_LAYER, "lm_head.weight"]), untied_engine)
+    check_names(bundle_named([*HF_LAYER, "lm_head.weight"]), untied_engine, LLAMA.fused_weights)
     with pytest.raises(WeightSyncError, match=r"missing \['lm_head.weight'\]"):
-        check_names(bundle_named(HF_LAYER), untied_engine)
+        check_names(bundle_named(HF_LAYER), untied_engine, LLAMA.fused_weights)
     with pytest.raises(WeightSyncError, match=r"unexpected \['lm_head.weight'\]"):
-        check_names(bundle_named([*HF_LAYER, "lm_head.weight"]), FUSED_ENGINE)
+        check_names(bundle_named([*HF_LAYER, "lm_head.weight"]), FUSED_ENGINE, LLAMA.fused_weights)

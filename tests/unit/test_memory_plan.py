@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from rl_tpu.cluster import memory_items
+from rl_tpu.cluster.memory_items import GiB
 from rl_tpu.config import RunConfig, TrainerConfig
 from rl_tpu.controller import memory_plan
-from rl_tpu.controller.memory_plan import GiB, ModelShape
+from rl_tpu.models.families import model_shape
+from rl_tpu.models.shape import ModelShape
+from rl_tpu.sampler import memory as engine_memory
+from rl_tpu.trainer import memory as trainer_memory
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 QWEN_05B = {  # Qwen2.5-0.5B's config.json sizes, as benchmarks/real_size.py builds the model
@@ -98,9 +103,7 @@ def test_a_cpu_engine_lands_near_its_measured_peak(config, size, low, high):
         "bfloat16",
         record("engine_memory.json")["args"]["kv_cache_gb"],
     )
-    phases = memory_plan.engine_phases(
-        cfg, ModelShape.from_config(config, run["parameters"]), "cpu", "disaggregated", None
-    )
+    phases = engine_memory.phases(cfg, ModelShape.from_config(config, run["parameters"]), "cpu", None, 0.0)
     peak = max(sum(item.bytes for item in items) for items in phases.values()) / GiB
     assert low <= peak / run["peak_rss_gib"] <= high
 
@@ -135,7 +138,7 @@ def test_the_recorded_h200_runs_fit_it_and_the_3b_run_is_refused_on_an_80_gb_gpu
     assert (
         trainer_rank_0(plan).bytes / GiB
         > record("device_check_cuda_trainer_3b.json")["checks"]["trainer"]["peak_memory_gib"]
-        + memory_plan.DEVICE_PROCESS / GiB
+        + memory_items.DEVICE_PROCESS / GiB
     )
     why = plan.refusal()
     assert why is not None and "the GPU of trainer rank 0" in why and "trainer.micro_batch_size" in why
@@ -183,7 +186,7 @@ def test_each_transport_keeps_what_its_code_keeps_on_the_devices():
     nccl = items("nccl", "disaggregated")
     assert nccl["its share of the weights it published"] == served
     assert nccl["the bundle's buckets, as received"] == served
-    assert nccl["a bucket's checksum, its int64 words"] == 8 * 256 * 2**20 + memory_plan.CHECKSUM_WORK
+    assert nccl["a bucket's checksum, its int64 words"] == 8 * 256 * 2**20 + memory_items.CHECKSUM_WORK
     assert "the bundle's buckets, as received" not in ipc  # an engine opens the trainer's buffers where they lie
 
 
@@ -214,8 +217,8 @@ def test_a_colocated_gpu_holds_trainer_and_engine_and_the_host_sums_every_proces
     trainer, engine = together[0].processes
     assert together[0].total == trainer.bytes + engine.bytes
     # the engine sleeps while the trainer trains: the device holds the larger of the two sums
-    training = trainer_rank_0(apart).bytes + memory_plan.DEVICE_PROCESS
-    generating = sum(i.bytes for i in memory_plan.trainer_phases(cfg, qwen_05b(), "cuda", 0)["between steps"])
+    training = trainer_rank_0(apart).bytes + memory_items.DEVICE_PROCESS
+    generating = sum(i.bytes for i in trainer_memory.phases(cfg, qwen_05b(), "cuda", 0)["between steps"])
     generating += apart.budgets[1].total
     assert together[0].total == max(training, generating)
     cfg.trainer.world_size, cfg.sampler.num_engines = 2, 2
@@ -231,7 +234,7 @@ def test_the_plan_reads_the_model_folder_and_lines_show_each_item(tiny_model_dir
     with caplog.at_level(logging.INFO, logger=memory_plan.__name__):
         memory_plan.check(cfg, tiny_model_dir)
     assert "this host" in caplog.text and "AdamW's two fp32 states" in caplog.text and "KV cache" in caplog.text
-    folder = ModelShape.of(tiny_model_dir)
+    folder = model_shape(tiny_model_dir)
     config = json.loads((tiny_model_dir / "config.json").read_text())
     assert folder.parameters > 0 and folder.hidden == config["hidden_size"]
     cfg.trainer.memory_check = "off"
@@ -248,9 +251,9 @@ def test_memory_check_takes_its_three_values_only():
 def test_an_engine_over_several_devices_holds_a_shard_of_the_weights_on_each():
     cfg = RunConfig()
     cfg.model.dtype, cfg.sampler.kv_cache_gb = "bfloat16", 4.0
-    whole = memory_plan.engine_phases(cfg, qwen_05b(), "cuda", "disaggregated", 80 * GiB)["generating"]
+    whole = engine_memory.phases(cfg, qwen_05b(), "cuda", 80 * GiB, 0.85)["generating"]
     cfg.sampler.tensor_parallel_size = 2
-    half = memory_plan.engine_phases(cfg, qwen_05b(), "cuda", "disaggregated", 80 * GiB)["generating"]
+    half = engine_memory.phases(cfg, qwen_05b(), "cuda", 80 * GiB, 0.85)["generating"]
     assert half[1].bytes == whole[1].bytes // 2 and "sampler.tensor_parallel_size" in half[1].keys
     assert half[2].bytes == whole[2].bytes  # each device's cache
     host = memory_plan.build(cfg, qwen_05b(), "cpu", 64 * GiB).budgets[0]
