@@ -269,7 +269,7 @@ def run(
         # before the signal handlers: ray.init installs a SIGTERM handler of its own
         start_ray(cfg.ray, bundle_bytes(model_path, cfg.model.torch_dtype))
         kind = placement.device_kind(cfg.device, ray.cluster_resources())
-        transport_class(cfg.sync.transport).check_device(kind)
+        transport_class(cfg.sync.transport).check_device(cfg, kind)
         if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
             log.warning(why)
         if cfg.actor.lora.enabled:  # the actors get the resolved device, from which `lora_sync` decides the same

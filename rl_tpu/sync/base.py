@@ -75,12 +75,12 @@ class Transport:
         """Before Ray starts: refuse settings this transport cannot serve with a ValueError naming the keys."""
 
     @classmethod
-    def check_device(cls, kind: str) -> None:
+    def check_device(cls, cfg: "RunConfig", kind: str) -> None:
         """Once the run's device kind is known (`device=auto` resolved): refuse one the transport does not run on."""
         if kind not in cls.devices:
             raise ValueError(
-                f"sync.transport={cls.name} runs on {', '.join(cls.devices)} only, but this run is on {kind}: use "
-                "object_store, shm_file or collective"
+                f"sync.transport={cfg.sync.transport} runs on {', '.join(cls.devices)} only, but this run is on "
+                f"{kind}: use object_store, shm_file or collective"
             )
 
     @classmethod
@@ -105,7 +105,7 @@ class Transport:
     def listen(cls, offer: Any, receiver: int, device: Any, host: str) -> Any:
         """Handshake, engine `receiver` (on torch `device`, at node address `host`): open the receiving side for
         `offer`; returns what rank 0 connects to."""
-        raise NotImplementedError(f"sync.transport={cls.name} sets handshake but has no listen()")
+        raise NotImplementedError(f"{cls.__name__} sets handshake but has no listen()")
 
     def connect(self, offer: Any, answers: list[Any], device: Any) -> None:
         """Handshake, trainer rank 0: connect to every engine's answer (in engine order), on torch `device`."""

@@ -74,9 +74,10 @@ def test_the_built_in_transports_check_where_the_actors_were_placed():
 
 
 def test_a_transport_names_the_device_kinds_and_engine_settings_it_needs():
+    cfg = compose_run("sync.transport=tpu_sync")
     with pytest.raises(ValueError, match="sync.transport=tpu_sync runs on tpu only, but this run is on cpu"):
-        transport_class("tpu_sync").check_device("cpu")
-    transport_class("collective").check_device("tpu")
+        transport_class("tpu_sync").check_device(cfg, "cpu")
+    transport_class("collective").check_device(cfg, "tpu")
     nccl = engine_args(EngineOptions(transport="nccl"), None, False, [])
     assert nccl["weight_transfer_config"] == {"backend": "nccl"}
     assert "weight_transfer_config" not in engine_args(EngineOptions(), None, False, [])
