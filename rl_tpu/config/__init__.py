@@ -24,7 +24,6 @@ from rl_tpu.config.choices import (
     PinCores,
     ResumeMode,
     RolloutIS,
-    SyncTransport,
     Tracker,
     value_of,
 )
@@ -344,7 +343,9 @@ class TrainerConfig:
 
 @dataclass
 class SyncConfig:
-    transport: SyncTransport = SyncTransport.object_store
+    # a built-in transport (rl_tpu/sync/registry.py: object_store, shm_file, collective, cuda_ipc, nccl, tpu_sync)
+    # or a Transport subclass by import path, package.module:Class; checked before Ray starts (controller/checks.py)
+    transport: str = "object_store"
     bucket_mb: float = 512.0  # upper bound on one bucket's bytes
     shm_dir: str = "/dev/shm/rl_tpu"  # where shm_file writes its buckets
 

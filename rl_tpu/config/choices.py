@@ -94,12 +94,3 @@ class RolloutIS(str, Enum):
     token = "token"  # per-token truncated importance weights (TIS)
     sequence = "sequence"  # one weight per sequence: the product of its token ratios, truncated
     off = "off"
-
-
-class SyncTransport(str, Enum):
-    object_store = "object_store"
-    shm_file = "shm_file"
-    collective = "collective"
-    cuda_ipc = "cuda_ipc"  # CUDA, colocated, one engine: weights handed over on the GPU (rl_tpu/sync/cuda_ipc.py)
-    nccl = "nccl"  # CUDA, engines on GPUs of their own: an NCCL broadcast through vLLM's API; not yet run on a GPU
-    tpu_sync = "tpu_sync"  # TPU hosts only; not yet run on hardware (rl_tpu/sync/tpu_sync.py)

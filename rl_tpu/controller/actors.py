@@ -30,6 +30,8 @@ from rl_tpu.records import TrainBatch, WeightBundle
 from rl_tpu.sampler.adapters import AdapterServing
 from rl_tpu.sampler.engine import EngineOptions, launch_sampler
 from rl_tpu.sampler.pool import EngineRecovery, SamplerPool
+from rl_tpu.sync.base import Placed
+from rl_tpu.sync.registry import transport_class
 from rl_tpu.trainer.worker import TrainerWorker
 
 log = logging.getLogger(__name__)
@@ -141,10 +143,9 @@ def start_workers(
         _start_trainers(workers, actor_cfg, model_path, log_dir, trainer_cores)
         # start-up errors (a bad model folder, a missing device) surface here, named, not at the first step
         wait_ready(workers, [name for name, _ in workers.actors()], cfg.ray.start_timeout_s)
-        if value_of(cfg.sync.transport) == "tpu_sync":
-            workers.on_trainers(
-                "connect_tpu_sync", "tpu_sync handshake", workers.samplers.engines, timeout_s=cfg.ray.start_timeout_s
-            )
+        if transport_class(cfg.sync.transport).handshake:
+            what = f"the sync.transport={cfg.sync.transport} handshake"
+            workers.on_trainers("handshake", what, workers.samplers.engines, timeout_s=cfg.ray.start_timeout_s)
         check_shared_run_dir(workers, run_dir)
         write_placement(workers, run_dir)
     except BaseException:
@@ -262,7 +263,7 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
             binding,
             episode_options(cfg, max_len),
             adapter_serving(cfg),
-            value_of(cfg.sync.transport),
+            cfg.sync.transport,
             cfg.sampler.tensor_parallel_size,
         )
         ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
@@ -280,37 +281,19 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
 
 
 def restarts_in_place(cfg: RunConfig) -> bool:
-    """A lost engine can rejoin alone when each install is a call of its own (not a broadcast every engine joins)."""
-    return cfg.sampler.max_restarts > 0 and value_of(cfg.sync.transport) in ("object_store", "shm_file")
+    """A lost engine can rejoin alone where the transport lets it (`Transport.rejoins_alone`)."""
+    return cfg.sampler.max_restarts > 0 and transport_class(cfg.sync.transport).rejoins_alone
 
 
 def check_transport_reach(cfg: RunConfig, reservation: placement.Reservation) -> None:
-    """`shm_file` passes files through one node's shared memory: rank 0 and every engine must share that node;
-    `cuda_ipc` passes device memory: the one engine must share rank 0's GPU; `nccl` joins rank 0 and the engines in
-    one NCCL group, which cannot hold two ranks on one GPU."""
-    transport = value_of(cfg.sync.transport)
-    if transport == "nccl" and reservation.plan.engines_sleep:  # sleeping engines: colocated on CUDA
-        raise placement.PlacementError(
-            "sync.transport=nccl joins trainer rank 0 and the engines in one NCCL group, which cannot hold two ranks "
-            f"on one GPU, but this run's layout is {reservation.plan.layout}, colocated: use sync.transport=cuda_ipc "
-            "(one engine) or object_store, or placement=disaggregated with GPUs for both"
-        )
-    if transport == "cuda_ipc" and not reservation.plan.engines_sleep:  # sleeping engines: colocated on CUDA
-        raise placement.PlacementError(
-            f"sync.transport=cuda_ipc hands GPU memory to an engine on the same GPU, but this run's layout is "
-            f"{reservation.plan.layout}, not colocated on CUDA: set placement=colocated on a GPU host, or use "
-            "sync.transport=object_store"
-        )
-    if transport != "shm_file":
-        return
+    """The transport's own check of where the actors were placed (`Transport.check_placement`): whether it reaches
+    every engine from trainer rank 0 (one node's shared memory, one GPU, one NCCL rank per GPU)."""
     home = reservation.trainer_node(0)
-    away = [e for e in range(reservation.plan.num_engines) if reservation.sampler_node(e) != home]
-    if away:
-        raise placement.PlacementError(
-            f"sync.transport=shm_file passes weights as files in {cfg.sync.shm_dir} on one node, but engine(s) "
-            f"{away} were placed on another node than trainer rank 0: use sync.transport=object_store or collective "
-            "across nodes"
-        )
+    away = tuple(e for e in range(reservation.plan.num_engines) if reservation.sampler_node(e) != home)
+    placed = Placed(reservation.plan.layout, reservation.plan.engines_sleep, away)
+    why = transport_class(cfg.sync.transport).check_placement(cfg, placed)
+    if why is not None:
+        raise placement.PlacementError(why)
 
 
 def check_shared_run_dir(workers: Workers, run_dir: Path) -> None:

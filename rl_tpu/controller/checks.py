@@ -14,7 +14,8 @@ from rl_tpu.controller import batch_shaping
 from rl_tpu.grader.grader import reward_sources
 from rl_tpu.models.safe_checkpoint import check_metadata
 from rl_tpu.outputs import checkpoints
-from rl_tpu.sync.registry import CPU_TRANSPORTS
+from rl_tpu.sync.base import Transport
+from rl_tpu.sync.registry import host_transports, transport_class
 
 
 def validate(cfg: RunConfig) -> None:
@@ -34,52 +35,24 @@ def validate(cfg: RunConfig) -> None:
             f"data.train_batch_size * sampler.n = {per_step} sequences must divide evenly over "
             f"trainer.world_size={cfg.trainer.world_size}"
         )
-    if value_of(cfg.sync.transport) == "tpu_sync" and cfg.trainer.is_async:
-        raise ValueError(
-            f"sync.transport=tpu_sync with trainer.max_staleness={cfg.trainer.max_staleness}: an engine reads TPU "
-            "Sync's staging buffers in place, and in async mode the next push could overwrite them between their "
-            "check and their load; use trainer.max_staleness=0 or sync.transport=object_store"
-        )
-    if value_of(cfg.sync.transport) == "cuda_ipc" and (
-        cfg.sampler.num_engines != 1 or value_of(cfg.device) in ("cpu", "tpu")
-    ):
-        raise ValueError(
-            f"sync.transport=cuda_ipc hands GPU memory from trainer rank 0 to one engine on its GPU: it needs "
-            f"device=cuda (or auto on a GPU host) and sampler.num_engines=1 (got device={value_of(cfg.device)}, "
-            f"sampler.num_engines={cfg.sampler.num_engines}); use sync.transport=object_store otherwise"
-        )
-    if value_of(cfg.sync.transport) == "nccl":
-        check_nccl(cfg)
+    transport = transport_class(cfg.sync.transport)  # refuses a name it does not know, or a path that fails
+    transport.check_config(cfg)
     if cfg.sampler.tensor_parallel_size > 1:
-        check_tensor_parallel(cfg)
+        check_tensor_parallel(cfg, transport)
     placement.check_request(cfg)
     if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray
 
 
-def check_nccl(cfg: RunConfig) -> None:
-    """`sync.transport=nccl` broadcasts between GPUs, one NCCL rank per GPU: CUDA, and engines on GPUs of their own
-    (any number of them). Only an explicit placement=colocated is seen here: auto resolves when actors are placed."""
-    device, layout = value_of(cfg.device), value_of(cfg.placement)
-    if device not in ("cpu", "tpu") and layout != "colocated":
-        return
-    # what works there: the host transports, and TPU Sync on TPU or, colocated on CUDA with one engine, CUDA IPC
-    own = {"tpu": ("tpu_sync",), "cpu": ()}.get(device, ("cuda_ipc",) if cfg.sampler.num_engines == 1 else ())
-    raise ValueError(
-        f"sync.transport=nccl broadcasts weights over NCCL from trainer rank 0's GPU to engines on GPUs of their "
-        f"own: it needs device=cuda (or auto on a GPU host) and placement=disaggregated or auto (got "
-        f"device={device}, placement={layout}); allowed values of sync.transport here: "
-        f"{', '.join((*CPU_TRANSPORTS, *own))}"
-    )
-
-
-def check_tensor_parallel(cfg: RunConfig) -> None:
-    """An engine over several devices (`sampler.tensor_parallel_size`) receives full weights through the host: the
-    device transports address one receiving process per engine, and adapters and the TPU engine were not tried."""
-    size, transport, device = cfg.sampler.tensor_parallel_size, value_of(cfg.sync.transport), value_of(cfg.device)
+def check_tensor_parallel(cfg: RunConfig, transport: type[Transport]) -> None:
+    """An engine over several devices (`sampler.tensor_parallel_size`) receives full weights through the host
+    (`Transport.through_host`): the device transports address one receiving process per engine, and adapters and
+    the TPU engine were not tried."""
+    size, device = cfg.sampler.tensor_parallel_size, value_of(cfg.device)
     key = f"sampler.tensor_parallel_size={size}"
-    if transport not in CPU_TRANSPORTS:
-        raise ValueError(f"{key} needs a host transport: sync.transport allowed values are {', '.join(CPU_TRANSPORTS)}")
+    if not transport.through_host:
+        allowed = ", ".join(host_transports())
+        raise ValueError(f"{key} needs a host transport: sync.transport allowed values are {allowed}")
     if device == "tpu" or cfg.lora_sync == "adapter":
         raise ValueError(
             f"{key} is not supported with device=tpu or a LoRA adapter served as one (not tried): set it to 1, or "

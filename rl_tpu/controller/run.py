@@ -45,6 +45,7 @@ from rl_tpu.models.resolve import check_context, check_decoder, resolve_model_pa
 from rl_tpu.outputs import checkpoints, plots, rollout_log, tracking
 from rl_tpu.outputs.export import push_to_hub, write_model_card
 from rl_tpu.outputs.metrics import MetricsLogger, final_accuracy
+from rl_tpu.sync.registry import transport_class
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +269,7 @@ def run(
         # before the signal handlers: ray.init installs a SIGTERM handler of its own
         start_ray(cfg.ray, bundle_bytes(model_path, cfg.model.torch_dtype))
         kind = placement.device_kind(cfg.device, ray.cluster_resources())
-        if value_of(cfg.sync.transport) == "tpu_sync" and kind != "tpu":
-            raise ValueError(
-                f"sync.transport=tpu_sync moves weights between TPU hosts, but this run is on {kind}: "
-                "use object_store, shm_file or collective"
-            )
+        transport_class(cfg.sync.transport).check_device(cfg, kind)
         if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
             log.warning(why)
         if cfg.actor.lora.enabled:  # the actors get the resolved device, from which `lora_sync` decides the same

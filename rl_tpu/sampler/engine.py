@@ -29,6 +29,7 @@ from rl_tpu.records import Rollout, WeightBundle, WeightSyncError
 from rl_tpu.sampler.adapters import AdapterServing
 from rl_tpu.sampler.served import served_weights
 from rl_tpu.sync.endpoints import unpack
+from rl_tpu.sync.registry import DEFAULT_TRANSPORT, transport_class
 
 # Set in the actor's environment before vLLM is imported.
 SAMPLER_ENV = {
@@ -73,7 +74,7 @@ class EngineOptions:
     binding: CpuBinding = CpuBinding(threads=1)  # its threads, and its cores when pinned
     episodes: EpisodeOptions | None = None  # multi-turn episodes with tools; None: one completion per sample
     adapters: AdapterServing | None = None  # a LoRA policy served as base plus adapter; None: full weights
-    transport: str = "object_store"  # sync.transport; nccl: its worker receives over vLLM's NCCL weight transfer
+    transport: str = DEFAULT_TRANSPORT  # sync.transport: it may set vLLM's settings and attach to the engine
     tensor_parallel_size: int = 1  # its devices (on CPU: its threads split over that many worker processes)
 
 
@@ -198,10 +199,7 @@ def engine_args(options: EngineOptions, kv_cache_gb: float | None, on_cpu: bool,
         # Per-prompt seeds (exact resume) fail on CPU when a prompt's prefill is split across steps:
         # vLLM then rewinds the request's generator, and CPU generators have no offset to rewind.
         args["enable_chunked_prefill"] = False
-    if options.transport == "nccl":  # its worker makes vLLM's NCCL weight-transfer engine (rl_tpu/sync/nccl.py)
-        from rl_tpu.sync.nccl import WEIGHT_TRANSFER_CONFIG
-
-        args["weight_transfer_config"] = WEIGHT_TRANSFER_CONFIG
+    args.update(transport_class(options.transport).engine_args())
     return args
 
 
@@ -238,10 +236,7 @@ class Sampler:
             enable_sleep_mode=options.sleep_mode,
             **engine_args(options, kv_cache_gb, current_platform.is_cpu(), allowed),
         )
-        if options.transport == "nccl":
-            from rl_tpu.sync.nccl import attach_engine
-
-            attach_engine(options.index, self.llm)  # joins the trainer's group at its first bundle
+        transport_class(options.transport).attach_engine(options.index, self.llm)
         self.version = 0
         self.turns = EngineTurns()
         self.activity = EngineActivity(options.binding.activity_folder, options.index)
@@ -368,13 +363,14 @@ class Sampler:
         if self.options.sleep_mode:
             self.llm.wake_up()
 
-    def open_tpu_sync(self, plan) -> str:
-        """Listen for TPU Sync pushes laid out as `plan`; returns the endpoint the trainer pushes to."""
+    def listen(self, offer: Any) -> Any:
+        """This engine's side of the transport's start-up handshake (`Transport.listen`); returns what trainer
+        rank 0 connects to."""
         from rl_tpu.cluster.device import Device
-        from rl_tpu.sync.tpu_sync import open_receiver
 
         # the trainer may be on another host: listen on, and advertise, this node's address
-        return open_receiver(plan, Device.resolve("auto").torch_device, ray.util.get_node_ip_address())
+        device, host = Device.resolve("auto").torch_device, ray.util.get_node_ip_address()
+        return transport_class(self.options.transport).listen(offer, self.options.index, device, host)
 
     def serving_version(self) -> int:
         return self.version

@@ -13,4 +13,10 @@ Transports (`sync.transport`):
 - `nccl`: an NCCL broadcast of device buckets from rank 0's GPU to every engine on GPUs of their own, through
   vLLM's weight-transfer API (`nccl.py`; not yet run on a GPU).
 - `tpu_sync`: TPU Sync pushes between TPU hosts (`tpu_sync.py`; not yet run on hardware).
+
+Each transport's class states its facts and answers the run's checks and hooks (`base.Transport`): no other
+package branches on a transport's name.
+
+To add one: subclass `base.Transport` in a module of your own and set `sync.transport=package.module:Class`, or,
+built in, its module here plus its line in `registry.py` (docs/extending.md).
 """

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from rl_tpu.records import Bucket
-from rl_tpu.sync.base import Transport
+from rl_tpu.sync.base import SenderSetting, Transport
 
 
 class CollectiveTransport(Transport):
@@ -26,6 +26,8 @@ class CollectiveTransport(Transport):
     """
 
     name = "collective"
+    # every engine joins one group and reads every broadcast: a lost engine ends the run (trainer.max_restarts)
+    through_host = True
     # A peer that died mid-stream surfaces as an error on the other side after this long, not a hang.
     timeout = timedelta(minutes=5)
     _receiver_groups: dict[tuple[str, int], Any] = {}
@@ -33,6 +35,10 @@ class CollectiveTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", receivers: int = 1):
         # `host`: the sender's node address, which the engines on other nodes connect to
         self.host, self.size, self.store, self.queue = host, receivers + 1, None, queue.Queue()
+
+    @classmethod
+    def sender(cls, setting: SenderSetting) -> "CollectiveTransport":
+        return cls(setting.host, setting.receivers)
 
     def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> dict:
         import torch.distributed as dist

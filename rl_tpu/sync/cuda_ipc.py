@@ -11,12 +11,16 @@ CPU tensor goes through torch's shared memory instead (how the unit tests run th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rl_tpu.config import value_of
 from rl_tpu.records import Bucket, WeightSyncError
-from rl_tpu.sync.base import Transport
+from rl_tpu.sync.base import Placed, Transport
+
+if TYPE_CHECKING:
+    from rl_tpu.config import RunConfig
 
 
 def share(flat: torch.Tensor) -> dict[str, Any]:
@@ -46,9 +50,31 @@ class CudaIpcTransport(Transport):
     name = "cuda_ipc"
     on_device = True
     kept_versions = 2  # the version before stays until this one is installed
+    devices = ("cuda",)
 
     def __init__(self):
         self.kept: dict[int, list[torch.Tensor]] = {}  # version -> its buckets' buffers, alive while engines read
+
+    @classmethod
+    def check_config(cls, cfg: "RunConfig") -> None:
+        device = value_of(cfg.device)
+        if cfg.sampler.num_engines != 1 or device in ("cpu", "tpu"):
+            raise ValueError(
+                f"sync.transport=cuda_ipc hands GPU memory from trainer rank 0 to one engine on its GPU: it needs "
+                f"device=cuda (or auto on a GPU host) and sampler.num_engines=1 (got device={device}, "
+                f"sampler.num_engines={cfg.sampler.num_engines}); use sync.transport=object_store otherwise"
+            )
+
+    @classmethod
+    def check_placement(cls, cfg: "RunConfig", placed: Placed) -> str | None:
+        """The engine must share rank 0's GPU: engines that sleep are colocated on CUDA."""
+        if placed.engines_sleep:
+            return None
+        return (
+            f"sync.transport=cuda_ipc hands GPU memory to an engine on the same GPU, but this run's layout is "
+            f"{placed.layout}, not colocated on CUDA: set placement=colocated on a GPU host, or use "
+            "sync.transport=object_store"
+        )
 
     def put_flat(self, version: int, index: int, flat: torch.Tensor) -> dict[str, Any]:
         if index == 0:  # the version before stays until this one is installed

@@ -14,7 +14,7 @@ Group. vLLM's TCP rendezvous (`NCCLTrainerInitInfo`): rank 0's node address, a f
 plus the engines' ranks, one rank per engine here (the engines run without tensor parallelism). A bucket's handle is
 the init info vLLM's `trainer_init` gives the workers (`NCCLWeightTransferInitInfo`, rank_offset 1); engine i joins
 at its first bundle with rank_offset 1 + i, through `LLM.init_weight_transfer_engine`, into the
-`NCCLWeightTransferEngine` its worker made from `weight_transfer_config` (the sampler sets it; `attach_engine`).
+`NCCLWeightTransferEngine` its worker made from `weight_transfer_config` (`NcclTransport.engine_args`; `attach_engine`).
 
 Receiver. The contract of every transport: the bundle (version, specs, device checksums) reaches each engine
 through Ray, and the engine reads every bucket (refused or not: the stream stays aligned), checks every checksum on
@@ -45,7 +45,7 @@ from concurrent.futures import TimeoutError as DeadlinePassed
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, WeightTransferInitRequest
@@ -53,8 +53,12 @@ from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitI
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 from vllm.utils.network_utils import get_open_port
 
+from rl_tpu.config import value_of
 from rl_tpu.records import Bucket, WeightSyncError
-from rl_tpu.sync.base import Transport
+from rl_tpu.sync.base import Placed, SenderSetting, Transport
+
+if TYPE_CHECKING:
+    from rl_tpu.config import RunConfig
 
 
 def bucket_name(index: int) -> str:
@@ -107,6 +111,7 @@ class NcclTransport(Transport):
     name = "nccl"
     on_device = True
     copies = True  # each engine receives every bucket into a buffer of its own
+    devices = ("cuda",)
     timeout = timedelta(minutes=5)  # for a bundle to reach every engine, counted from its flush
     _engines: dict[int, "_Engine"] = {}  # receiver index -> its vLLM engine, in the sampler's process
 
@@ -122,6 +127,50 @@ class NcclTransport(Transport):
         # the bundle in flight: its version, deadline, send (done: an event marking its broadcasts' end) and source
         self.sending: tuple[int, float, Future, BundleSource] | None = None
         self.stream: Any = None  # the sender thread's own stream on rank 0's device, made at the first send
+
+    @classmethod
+    def sender(cls, setting: SenderSetting) -> "NcclTransport":
+        return cls(setting.host, setting.receivers, setting.device)
+
+    @classmethod
+    def check_config(cls, cfg: "RunConfig") -> None:
+        """CUDA, and engines on GPUs of their own (any number of them), one NCCL rank per GPU. Only an explicit
+        placement=colocated is seen here: auto resolves when actors are placed (`check_placement`)."""
+        from rl_tpu.sync.registry import CPU_TRANSPORTS
+
+        device, layout = value_of(cfg.device), value_of(cfg.placement)
+        if device not in ("cpu", "tpu") and layout != "colocated":
+            return
+        # what works there: the host transports, and TPU Sync on TPU or, colocated on CUDA with one engine, CUDA IPC
+        own = {"tpu": ("tpu_sync",), "cpu": ()}.get(device, ("cuda_ipc",) if cfg.sampler.num_engines == 1 else ())
+        raise ValueError(
+            f"sync.transport=nccl broadcasts weights over NCCL from trainer rank 0's GPU to engines on GPUs of their "
+            f"own: it needs device=cuda (or auto on a GPU host) and placement=disaggregated or auto (got "
+            f"device={device}, placement={layout}); allowed values of sync.transport here: "
+            f"{', '.join((*CPU_TRANSPORTS, *own))}"
+        )
+
+    @classmethod
+    def check_placement(cls, cfg: "RunConfig", placed: Placed) -> str | None:
+        """One NCCL group cannot hold two ranks on one GPU: engines that sleep are colocated on CUDA."""
+        if not placed.engines_sleep:
+            return None
+        return (
+            "sync.transport=nccl joins trainer rank 0 and the engines in one NCCL group, which cannot hold two ranks "
+            f"on one GPU, but this run's layout is {placed.layout}, colocated: use sync.transport=cuda_ipc "
+            "(one engine) or object_store, or placement=disaggregated with GPUs for both"
+        )
+
+    @classmethod
+    def engine_args(cls) -> dict[str, Any]:
+        """The engine's worker makes vLLM's NCCL weight-transfer engine, which `get_flat` receives through."""
+        return {"weight_transfer_config": WEIGHT_TRANSFER_CONFIG}
+
+    @classmethod
+    def attach_engine(cls, receiver: int, llm: Any) -> None:
+        """The engine whose worker receives this process's buckets; it joins the trainer's group at its first
+        bundle."""
+        cls._engines[receiver] = _Engine(llm)
 
     @cached_property
     def init_info(self) -> NCCLTrainerInitInfo:
@@ -228,12 +277,6 @@ class NcclTransport(Transport):
 class _Engine:
     llm: Any  # vLLM's LLM
     joined: bool = False  # whether it joined the trainer's group
-
-
-def attach_engine(receiver: int, llm: Any) -> None:
-    """Sampler side, at start: the engine whose worker receives this process's buckets (vLLM's LLM, made with
-    `WEIGHT_TRANSFER_CONFIG`); it joins the trainer's group at its first bundle."""
-    NcclTransport._engines[receiver] = _Engine(llm)
 
 
 WEIGHT_TRANSFER_CONFIG = {"backend": "nccl"}  # vLLM's `weight_transfer_config` of an engine that receives over NCCL

@@ -14,6 +14,7 @@ from rl_tpu.sync.base import Transport
 class ObjectStoreTransport(Transport):
     name = "object_store"
     any_rank_sends = True  # objects are fetched from whichever node put them
+    rejoins_alone = through_host = True  # each engine fetches every bucket by its handle, when it installs
 
     def put(self, version: int, index: int, named: dict[str, torch.Tensor], buffers: list[np.ndarray]) -> Any:
         import ray

@@ -6,13 +6,17 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rl_tpu.records import Bucket, WeightSyncError
-from rl_tpu.sync.base import Transport
+from rl_tpu.sync.base import Placed, SenderSetting, Transport
 from rl_tpu.sync.bundle import as_bytes
+
+if TYPE_CHECKING:
+    from rl_tpu.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +46,27 @@ def _alive(pid: int) -> bool:
 class ShmFileTransport(Transport):
     name = "shm_file"
     kept_versions = 2  # the version before stays until this one is installed
+    rejoins_alone = through_host = True  # each engine reads every bucket's file by its path, when it installs
 
     def __init__(self, root: str = "/dev/shm/rl_tpu"):
         for folder in reclaim_dead_senders(Path(root)):
             log.warning("removed %s, the weight bundles of a sender that died without cleaning up", folder)
         self.root = Path(root) / f"sender-{os.getpid()}"
+
+    @classmethod
+    def sender(cls, setting: SenderSetting) -> "ShmFileTransport":
+        return cls(setting.shm_dir)
+
+    @classmethod
+    def check_placement(cls, cfg: "RunConfig", placed: Placed) -> str | None:
+        """The files pass through one node's shared memory: rank 0 and every engine must share that node."""
+        if not placed.engines_away:
+            return None
+        return (
+            f"sync.transport=shm_file passes weights as files in {cfg.sync.shm_dir} on one node, but engine(s) "
+            f"{list(placed.engines_away)} were placed on another node than trainer rank 0: use "
+            "sync.transport=object_store or collective across nodes"
+        )
 
     def prepare(self, bundle_bytes: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

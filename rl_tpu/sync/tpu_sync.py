@@ -42,22 +42,26 @@ installs (`Sampler.install`). The staging buffers are separate from the engine's
 bad push never touches what is served. The next push overwrites them: the controller installs
 bundle v before it publishes v+1.
 
-Handshake (`TrainerWorker.connect_tpu_sync`, once at start-up): trainer rank 0 makes the plan,
-each sampler opens a receiver for it bound to its node's IP (`Sampler.open_tpu_sync`) and
-returns its endpoint, and rank 0 connects its sender to those endpoints.
+Handshake (`Transport.handshake`, run by the controller once at start-up through
+`TrainerWorker.handshake`): trainer rank 0 makes the plan (`offer`), each sampler opens a receiver for
+it bound to its node's IP (`listen`, through `Sampler.listen`) and returns its endpoint, and rank 0
+connects its sender to those endpoints (`connect`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from rl_tpu.records import Bucket, TensorSpec, WeightSyncError
-from rl_tpu.sync.base import Transport
+from rl_tpu.sync.base import SenderSetting, Transport
 from rl_tpu.sync.bundle import plan_buckets, spec_of
+
+if TYPE_CHECKING:
+    from rl_tpu.config import RunConfig
 
 ALIGN = 512  # byte alignment of every tensor inside a slot (DMA-friendly, and a multiple of any itemsize)
 PARALLELISM = 4  # TCP streams per push (WeightSynchronizer's `parallelism`)
@@ -133,12 +137,35 @@ class TpuSyncTransport(Transport):
     """Sender side (trainer rank 0); `get` and `open_receiver` are the receiver side (the sampler)."""
 
     name = "tpu_sync"
+    devices = ("tpu",)
+    handshake = True  # the engines listen for the slot plan rank 0 offers, then rank 0 connects to them
     _receivers: dict[str, "_Receiver"] = {}  # endpoint -> receiver, in the sampler's process
 
     def __init__(self, factory: SynchronizerFactory | None = None, bind_ip: str | None = None):
         # bind_ip: the sender's own address; None lets TPU Sync pick this host's data NIC
         self.factory, self.bind_ip = factory, bind_ip
         self.plan: SlotPlan | None = None
+
+    @classmethod
+    def sender(cls, setting: SenderSetting) -> "TpuSyncTransport":
+        return cls(bind_ip=setting.host)
+
+    @classmethod
+    def check_config(cls, cfg: "RunConfig") -> None:
+        if cfg.trainer.is_async:
+            raise ValueError(
+                f"sync.transport=tpu_sync with trainer.max_staleness={cfg.trainer.max_staleness}: an engine reads "
+                "TPU Sync's staging buffers in place, and in async mode the next push could overwrite them between "
+                "their check and their load; use trainer.max_staleness=0 or sync.transport=object_store"
+            )
+
+    def offer(self, specs: dict[str, Any], bucket_bytes: int) -> SlotPlan:
+        """The slot plan both ends hold, made from the served weights' specs as `sync.pack` buckets them."""
+        return SlotPlan.of(specs, bucket_bytes)
+
+    @classmethod
+    def listen(cls, offer: SlotPlan, receiver: int, device: torch.device, host: str) -> str:
+        return open_receiver(offer, device, host)
 
     def connect(self, plan: SlotPlan, peers: list[str], device: torch.device) -> None:
         self.plan, self.peers = plan, list(peers)

@@ -102,9 +102,9 @@ class TrainerWorker:
         # a LoRA policy's base never changes: its checksum, taken once, goes with every adapter for the engines to
         # compare, and with every checkpoint for a resumed run to compare
         self.base_checksum = weights.base_checksum(self.model, self.served_dtype, rank) if self.lora_sync else None
-        # the collective sender (rank 0) listens on its own node's address, where the engines connect
+        # a sender that engines connect to (collective, on rank 0) listens on its own node's address
         self.transport = make_transport(
-            value_of(cfg.sync.transport),
+            cfg.sync.transport,
             cfg.sync.shm_dir,
             host=master_addr,
             receivers=cfg.sampler.num_engines,
@@ -191,20 +191,17 @@ class TrainerWorker:
             bundle = replace(bundle, adapter=self.adapter_config, base_checksum=self.base_checksum)
         return bundle
 
-    def connect_tpu_sync(self, samplers: list) -> list[str] | None:
-        """`sync.transport=tpu_sync` handshake: rank 0 plans the slots, every engine listens, rank 0 connects."""
-        from rl_tpu.sync.tpu_sync import SlotPlan
-
+    def handshake(self, samplers: list) -> None:
+        """The transport's start-up handshake (`Transport.handshake`), which the controller runs once: rank 0
+        makes its offer, every engine listens for it, and rank 0 connects to what they answer."""
         if self.rank != 0:
-            return None
+            return
         import ray
 
-        plan = SlotPlan.of(weights.served_specs(self.served, self.served_dtype), int(self.cfg.sync.bucket_mb * 2**20))
-        endpoints = ray.get(
-            [sampler.open_tpu_sync.remote(plan) for sampler in samplers], timeout=self.cfg.ray.start_timeout_s
-        )
-        self.transport.connect(plan, endpoints, self.device.torch_device)
-        return endpoints
+        specs = weights.served_specs(self.served, self.served_dtype)
+        offer = self.transport.offer(specs, int(self.cfg.sync.bucket_mb * 2**20))
+        answers = ray.get([sampler.listen.remote(offer) for sampler in samplers], timeout=self.cfg.ray.start_timeout_s)
+        self.transport.connect(offer, answers, self.device.torch_device)
 
     def export(self, folder: str) -> str | None:
         """A Hugging Face folder of the policy in `model.dtype`, streamed bucket by bucket (`weights.export_hf_folder`).

@@ -32,7 +32,7 @@ from rl_tpu.sampler.engine import EngineOptions, EngineTurns, Sampler
 from rl_tpu.sampler.served import served_weights
 from rl_tpu.sync.collective import gloo_group
 from rl_tpu.sync.endpoints import pack_buckets
-from rl_tpu.sync.nccl import NcclTransport, attach_engine
+from rl_tpu.sync.nccl import NcclTransport
 from rl_tpu.sync.registry import make_transport
 from rl_tpu.trainer import weights
 
@@ -174,7 +174,7 @@ def sampler(engine: InProcessEngine, index: int) -> Sampler:
     started.version, started.busy_s, started.turns = 0, 0.0, EngineTurns()
     started.activity = EngineActivity(None, index)
     started.served = served_weights(engine, None, "", torch.bfloat16)
-    attach_engine(index, engine)
+    NcclTransport.attach_engine(index, engine)
     return started
 
 
