@@ -49,6 +49,7 @@ from record import cpu_facts, write_record  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import DataConfig, RunConfig, TinyModelConfig
@@ -193,8 +194,9 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
     rows = []
     try:
         queue = RolloutQueue(workers, batches(examples, cfg.data.train_batch_size, cfg.data.seed), cfg, taken=0)
+        signal = LearningSignal(cfg)
         for step in range(1, warmup + steps + 1):
-            rows.append(grpo_step(step, queue, workers, tokenizer, grader, cfg)[0])
+            rows.append(grpo_step(step, queue, workers, tokenizer, grader, cfg, signal)[0])
             if step < warmup + steps:
                 queue.fill_after(step)
         pinned = json.loads((run_dir / "placement.json").read_text())

@@ -192,7 +192,7 @@ class KLControlConfig:
 
 @dataclass
 class FilterGroupsConfig:
-    """DAPO's dynamic sampling, by verl's `algorithm.filter_groups` keys (rl_tpu/controller/batch_shaping.py)."""
+    """DAPO's dynamic sampling, by verl's `algorithm.filter_groups` keys (rl_tpu/algorithms/learning_signal.py)."""
 
     enable: bool = False  # drop groups whose rewards are all equal and generate more until the batch is full
     metric: Optional[str] = None  # what must vary within a group: a reward's name (reward.combine); None: the score

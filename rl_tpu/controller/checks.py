@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from rl_tpu.algorithms import core as algorithms
-from rl_tpu.algorithms import kl_reward
+from rl_tpu.algorithms import kl_reward, learning_signal
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.cores import engine_threads
 from rl_tpu.cluster.device import Device
 from rl_tpu.config import RunConfig, value_of
-from rl_tpu.controller import batch_shaping
 from rl_tpu.grader.grader import reward_sources
 from rl_tpu.models.safe_checkpoint import check_metadata
 from rl_tpu.outputs import checkpoints
@@ -25,7 +24,9 @@ def validate(cfg: RunConfig) -> None:
     reward_names = [s.label for s in reward_sources(cfg.reward, cfg.custom_reward_function)]
     algorithms.validate(cfg, reward_names)
     kl_reward.validate(cfg.algorithm)
-    batch_shaping.validate(cfg.algorithm.filter_groups, reward_names, cfg.reward.overlong_buffer, cfg.completion_tokens)
+    learning_signal.validate(
+        cfg.algorithm.filter_groups, reward_names, cfg.reward.overlong_buffer, cfg.completion_tokens
+    )
     if cfg.trainer.resume_from:
         # names the folder if there is nothing to resume, and refuses a checkpoint that would run code
         check_metadata(checkpoints.latest(Path(cfg.trainer.resume_from).expanduser()))

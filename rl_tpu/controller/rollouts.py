@@ -1,28 +1,61 @@
-"""The sampler's side of the loop: generation batches queued ahead, graded, and shaped into a step's batch.
+"""The sampler's side of the loop: generation batches queued ahead, graded, and gathered into a step's batch.
 
 Generation batches are numbered 1, 2, ... in the order the prompt stream yields them. A step takes
-one, or several with dynamic sampling (rl_tpu/controller/batch_shaping.py); how many have been taken is
-saved with each checkpoint, so that a resumed run draws the same prompts next.
+one, or several with dynamic sampling (`LearningSignal.select`, rl_tpu/algorithms/learning_signal.py); how many
+have been taken is saved with each checkpoint, so that a resumed run draws the same prompts next.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.config import RunConfig
-from rl_tpu.controller import batch_shaping
 from rl_tpu.controller.actors import Workers
-from rl_tpu.controller.batch_shaping import GradedBatch
+from rl_tpu.controller.phases import Phases
 from rl_tpu.data.datasets import Example, derived_seed
 from rl_tpu.grader.grader import Grader, Grades, Grading, Sample
 from rl_tpu.records import Rollout
 from rl_tpu.sampler.engine import SamplingSettings
 from rl_tpu.sampler.pool import PendingRollouts
+
+
+@dataclass
+class GradedBatch:
+    """Prompts, their rollouts (`rollout.group` indexes `prompts`) and the rollouts' grades, in order."""
+
+    prompts: list[Example]
+    rollouts: list[Rollout]
+    grades: Grades
+
+    def groups(self) -> dict[int, list[int]]:
+        """Each group's rollout positions, groups in order of their first rollout."""
+        members: dict[int, list[int]] = {}
+        for i, rollout in enumerate(self.rollouts):
+            members.setdefault(rollout.group, []).append(i)
+        return members
+
+    @staticmethod
+    def concat(parts: list["GradedBatch"]) -> "GradedBatch":
+        """The batches as one: each part's groups renumbered after the previous parts' prompts."""
+        prompts, rollouts, offset = [], [], 0
+        for part in parts:
+            prompts += part.prompts
+            rollouts += [dataclasses.replace(r, group=r.group + offset) for r in part.rollouts]
+            offset += len(part.prompts)
+        return GradedBatch(prompts, rollouts, Grades.concat([p.grades for p in parts]))
+
+    def take_groups(self, groups: list[int]) -> "GradedBatch":
+        """These groups only, renumbered 0..len(groups)-1 in the order given."""
+        members = self.groups()
+        rows = [i for g in groups for i in members[g]]
+        renumber = {g: k for k, g in enumerate(groups)}
+        rollouts = [dataclasses.replace(self.rollouts[i], group=renumber[self.rollouts[i].group]) for i in rows]
+        return GradedBatch([self.prompts[g] for g in groups], rollouts, self.grades.take(rows))
 
 
 def sampling_seed(seed: int, batch: int, prompt: int) -> int:
@@ -87,15 +120,6 @@ def dump_rows(batch: GradedBatch, tokenizer) -> list[dict]:
             }
         )
     return rows
-
-
-def with_tool_rewards(grades: Grades, rollouts: list[Rollout], source: str) -> Grades:
-    """The episodes' scores by `episode.reward`: the plugin's (as graded), the tools' rewards, or their sum."""
-    if source == "plugin" or not rollouts or rollouts[0].episode is None:
-        return grades
-    tools = [r.episode.tool_reward for r in rollouts]
-    scores = tools if source == "tools" else [s + t for s, t in zip(grades.scores, tools)]
-    return dataclasses.replace(grades, scores=scores, components={**grades.components, "tools": tools})
 
 
 def episode_metrics(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
@@ -215,8 +239,6 @@ class StepRollouts:
     batch: GradedBatch  # the groups the update uses
     generated: GradedBatch  # every group generated for the step (the reward metrics describe these)
     gen_batches: int  # generation batches taken for the step
-    generate_s: float  # waiting for the sampler
-    reward_s: float  # grading and shaping
     shares: dict[str, float]  # each engine's share of the first batch
     varied_groups: int | None  # dynamic sampling: groups of the batch whose rewards vary
 
@@ -238,36 +260,29 @@ def check_versions(step: int, rollouts: list[Rollout], cfg: RunConfig) -> None:
 
 
 def next_graded(
-    step: int, queue: RolloutQueue, tokenizer, grader: Grader, cfg: RunConfig
-) -> tuple[GradedBatch, float, float, dict[str, float]]:
-    """One generation batch, waited for, checked and graded, with the overlong penalty in its scores."""
-    t0 = time.perf_counter()
-    prompts, pending = queue.pop(step)
-    rollouts: list[Rollout] = pending.result(cfg.ray.call_timeout_s)
-    check_versions(step, rollouts, cfg)
-    t1 = time.perf_counter()
-    grades = with_tool_rewards(grade(rollouts, prompts, tokenizer, grader).result(), rollouts, cfg.episode.reward)
-    penalties = batch_shaping.overlong_penalties(
-        [r.model_tokens() for r in rollouts], cfg.completion_tokens, cfg.reward.overlong_buffer
-    )
-    grades = dataclasses.replace(grades, scores=[s + p for s, p in zip(grades.scores, penalties)])
-    return GradedBatch(prompts, rollouts, grades), t1 - t0, time.perf_counter() - t1, pending.shares()
+    step: int, queue: RolloutQueue, tokenizer, grader: Grader, signal: LearningSignal, phases: Phases
+) -> tuple[GradedBatch, dict[str, float]]:
+    """One generation batch, waited for (phase `generate`), checked, graded and scored (phase `grade`)."""
+    with phases("generate"):
+        prompts, pending = queue.pop(step)
+        rollouts: list[Rollout] = pending.result(queue.cfg.ray.call_timeout_s)
+        check_versions(step, rollouts, queue.cfg)
+    with phases("grade"):
+        grades = signal.score(grade(rollouts, prompts, tokenizer, grader).result(), rollouts)
+    return GradedBatch(prompts, rollouts, grades), pending.shares()
 
 
-def collect(step: int, queue: RolloutQueue, tokenizer, grader: Grader, cfg: RunConfig) -> StepRollouts:
+def collect(
+    step: int, queue: RolloutQueue, tokenizer, grader: Grader, signal: LearningSignal, phases: Phases
+) -> StepRollouts:
     """The step's rollouts: one generation batch, or with `algorithm.filter_groups` as many as it takes (up to
-    `max_num_gen_batches`) to fill the batch with groups whose rewards vary."""
-    groups = cfg.algorithm.filter_groups
-    parts, generate_s, reward_s, shares = [], 0.0, 0.0, None
+    `max_num_gen_batches`) to fill the batch with groups whose rewards vary (`LearningSignal.select`)."""
+    parts, shares = [], None
     while True:
-        part, waited, graded, part_shares = next_graded(step, queue, tokenizer, grader, cfg)
+        part, part_shares = next_graded(step, queue, tokenizer, grader, signal, phases)
         parts.append(part)
-        generate_s, reward_s, shares = generate_s + waited, reward_s + graded, shares or part_shares
+        shares = shares or part_shares
         generated = GradedBatch.concat(parts)
-        batch, varied = generated, None
-        if groups.enable:
-            batch, varied = batch_shaping.fill_with_varied_groups(
-                generated, cfg.data.train_batch_size, groups.metric, last_try=len(parts) >= groups.max_num_gen_batches
-            )
+        batch, varied = signal.select(generated, len(parts))
         if batch is not None:
-            return StepRollouts(batch, generated, len(parts), generate_s, reward_s, shares, varied)
+            return StepRollouts(batch, generated, len(parts), shares, varied)

@@ -24,7 +24,7 @@ import ray
 import yaml
 from omegaconf import OmegaConf
 
-from rl_tpu.algorithms.kl_reward import KLInReward
+from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
@@ -94,13 +94,13 @@ class Job:
     replay_queued: bool = True
 
 
-def save_checkpoint(job: Job, workers: Workers, step: int, queue: RolloutQueue, kl: KLInReward | None) -> Path:
+def save_checkpoint(job: Job, workers: Workers, step: int, queue: RolloutQueue, signal: LearningSignal) -> Path:
     folder = checkpoints.folder_for(job.run_dir, step)
     checkpoints.check_room(job.run_dir)  # a full disk named as such, before anything is written
     # the batches queued ahead, generated: a resumed run trains on them as this one will (async: older weights)
     queued = [batch.to_dict() for batch in queue.generated_ahead(job.cfg.ray.call_timeout_s)]
     # the driver's part goes inside before the folder is complete: a checkpoint is whole or is not one
-    driver = checkpoints.driver_files(queue.taken, kl.coef if kl is not None else None, job.settings, queued)
+    driver = checkpoints.driver_files(queue.taken, signal.kl_coef, job.settings, queued)
     workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder), driver)
     checkpoints.prune(job.run_dir, job.cfg.trainer.keep_last)
     return folder
@@ -126,11 +126,11 @@ def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, Path | Non
     return step, checkpoint
 
 
-def stop_early(job: Job, workers: Workers, step: int, saved: int, queue: RolloutQueue, kl: KLInReward | None) -> None:
+def stop_early(job: Job, workers: Workers, step: int, saved: int, queue: RolloutQueue, signal: LearningSignal) -> None:
     """A signal asked the run to stop: save after `step` unless that is saved already, and stop."""
     checkpoint = checkpoints.folder_for(job.run_dir, saved) if saved else None
     if step > saved:
-        checkpoint = save_checkpoint(job, workers, step, queue, kl)
+        checkpoint = save_checkpoint(job, workers, step, queue, signal)
     raise RunInterrupted(step, job.stop.requested, checkpoint)
 
 
@@ -143,7 +143,7 @@ def train(job: Job, restarted: bool) -> None:
     try:
         start_step, checkpoint = resume(job, workers, restarted)
         taken = checkpoints.data_position(checkpoint) if checkpoint else 0
-        kl = KLInReward(cfg.algorithm, checkpoints.kl_coef(checkpoint)) if cfg.algorithm.use_kl_in_reward else None
+        signal = LearningSignal(cfg, checkpoints.kl_coef(checkpoint) if cfg.algorithm.use_kl_in_reward else None)
         if not logger.records:  # a run continuing its own folder has its evaluation at start_step already
             first = evaluation.start_eval(workers.samplers, job.eval_examples, cfg, with_samples=True)
             logger.log(
@@ -158,8 +158,8 @@ def train(job: Job, restarted: bool) -> None:
         guard, saved = SkippedStepGuard(cfg.trainer.max_skipped_steps), start_step
         for step in range(start_step + 1, total + 1):
             if job.stop.requested:
-                stop_early(job, workers, step - 1, saved, queue, kl)
-            metrics, trained = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg, kl)
+                stop_early(job, workers, step - 1, saved, queue, signal)
+            metrics, trained = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg, signal)
             guard.observe(step, metrics, trained.prompts)
             if cfg.trainer.rollout_data_dir:
                 rollout_log.write_step(cfg.trainer.rollout_data_dir, step, dump_rows(trained, job.tokenizer))
@@ -171,7 +171,7 @@ def train(job: Job, restarted: bool) -> None:
                 metrics.update(pending_eval.finish(job.tokenizer, job.grader, timeout))
             logger.log(step, metrics)
             if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
-                save_checkpoint(job, workers, step, queue, kl)
+                save_checkpoint(job, workers, step, queue, signal)
                 saved = step
         workers.samplers.finish_install()  # async: the last step's (its evaluation waited for it already)
         if cfg.trainer.export:

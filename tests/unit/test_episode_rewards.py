@@ -13,9 +13,11 @@ from conftest import compose_run
 from test_episodes import RESPONSE_FORMAT, ScriptedEngine
 
 from rewards import BUILTIN_REWARDS
+from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.config.reasoning_gym import ReasoningGymConfig
 from rl_tpu.controller import rollouts as controller
-from rl_tpu.controller.batch_shaping import GradedBatch
+from rl_tpu.controller.phases import Phases
+from rl_tpu.controller.rollouts import GradedBatch
 from rl_tpu.data.datasets import Example, read_rows
 from rl_tpu.data.reasoning_gym import ensure_reasoning_gym_dataset
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeRunner, ToolCallParser
@@ -207,8 +209,13 @@ def test_the_overlong_penalty_counts_the_models_tokens_not_the_tool_results(toke
     single = Rollout([1], rollout.completion_ids, rollout.logprobs, version, "stop")  # all the model's: at the limit
 
     class OneBatch:
+        def __init__(self):
+            self.cfg = cfg
+
         def pop(self, step):
             return [Example([1], "src", "7", {})], controller.GeneratedRollouts([rollout, single], {})
 
-    batch, *_ = controller.next_graded(version + 1, OneBatch(), tokenizer, CapturingGrader(), cfg)
+    batch, _ = controller.next_graded(
+        version + 1, OneBatch(), tokenizer, CapturingGrader(), LearningSignal(cfg), Phases()
+    )
     assert batch.grades.scores == pytest.approx([0.0, -1.0])

@@ -309,7 +309,7 @@ def test_tools_that_cannot_load_stop_the_run_before_ray_naming_the_file(tmp_path
 
 @pytest.mark.parametrize("source, expected", [("plugin", [1.0, 0.0]), ("tools", [0.5, 0.25]), ("sum", [1.5, 0.25])])
 def test_an_episodes_reward_is_the_plugins_the_tools_or_their_sum(source, expected):
-    from rl_tpu.controller.rollouts import with_tool_rewards
+    from rl_tpu.algorithms.learning_signal import with_tool_rewards
     from rl_tpu.grader.grader import Grades
     from rl_tpu.records import EpisodeStats, Rollout
 

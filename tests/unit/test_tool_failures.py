@@ -292,8 +292,8 @@ def test_a_tool_result_that_does_not_fit_is_counted_and_logged(caplog):
 
 def test_an_episode_that_lost_its_instance_is_out_of_the_loss_and_of_its_groups_statistics():
     from rl_tpu.algorithms import core as algorithms
+    from rl_tpu.algorithms.learning_signal import advantage_groups, loss_mask
     from rl_tpu.controller.rollouts import episode_metrics
-    from rl_tpu.controller.step import advantage_groups, loss_mask
 
     def rollout(group: int, lost: str | None = None, dropped: int = 0) -> Rollout:
         stats = EpisodeStats(1, lost_instance=lost, dropped_result_tokens=dropped)
