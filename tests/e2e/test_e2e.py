@@ -299,7 +299,10 @@ def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cl
 
 
 def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
-    """verl's GSM8K parquet (from the prepare script) through the CLI, with the gsm8k + format rewards."""
+    """verl's GSM8K parquet (from the prepare script) through the CLI, with the gsm8k + format rewards; and a loss
+    and an estimator by import path from a module in the folder the run starts in (tests/fixtures/custom_losses.py):
+    the driver registers the estimator for the advantages, the trainer rank, a Ray actor that imports afresh, the
+    loss, whose own figure reaches metrics.jsonl."""
     from recipes.grpo_gsm8k.prepare import main as prepare
 
     prepare(["--input_dir", str(REPO / "tests" / "fixtures" / "gsm8k"), "--output_dir", str(tmp_path / "data")])
@@ -314,12 +317,15 @@ def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
         "reward.name=gsm8k",
         "+reward.combine={gsm8k: 1.0, format: 0.1}",
         "trainer.world_size=1",
+        "actor.policy_loss.loss_mode=custom_losses:halved_vanilla",
+        "algorithm.adv_estimator=custom_losses:doubled_rloo",
+        cwd=REPO / "tests" / "fixtures",
     )
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert {"reward/gsm8k", "reward/format", "reward/failed", "time/reward_s"} <= set(row)
-        assert row["reward/failed"] == 0 and row["sync/version"] == row["step"]
+        assert row["reward/failed"] == 0 and row["sync/version"] == row["step"] and row["actor/halved_vanilla"] == 1.0
         assert row["reward/mean"] == pytest.approx(row["reward/gsm8k"] + 0.1 * row["reward/format"])
     assert {"eval/accuracy", "eval/gsm8k", "eval/format"} <= set(rows[2])
 
@@ -361,23 +367,17 @@ def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_pat
         assert coef[step + 1] == pytest.approx(coef[step] * (1 + error * 16 / 100), rel=1e-9)
 
 
-def test_bf16_run_with_verl_plugins_and_a_loss_by_import_path(three_step_run, tmp_path):
-    """model.dtype=bfloat16 (the real-model recipes' setting): bf16 engine, bf16 bundles of half the bytes;
-    examples/custom_reward's plugin, written for verl, given with verl's custom_reward_function keys; and a loss and
-    an estimator by import path from a module in the folder the run starts in (tests/fixtures/custom_losses.py): the
-    driver registers the estimator for the advantages, the trainer rank, a Ray actor that imports afresh, the loss,
-    whose own figure reaches metrics.jsonl."""
+def test_bf16_run_with_a_verl_plugin_through_the_verl_keys(three_step_run, tmp_path):
+    """model.dtype=bfloat16 (the real-model recipes' setting): bf16 engine, bf16 bundles of half the bytes; and
+    examples/custom_reward's plugin, written for verl, given with verl's custom_reward_function keys."""
     run_cli(
         tmp_path / "run",
         three_step_run[0] / "cache",
         "trainer.total_steps=2",
         "model.dtype=bfloat16",
         "trainer.world_size=1",
-        f"custom_reward_function.path={REPO / 'examples' / 'custom_reward' / 'reward.py'}",
+        "custom_reward_function.path=examples/custom_reward/reward.py",
         "custom_reward_function.name=compute_score",
-        "actor.policy_loss.loss_mode=custom_losses:halved_vanilla",
-        "algorithm.adv_estimator=custom_losses:doubled_rloo",
-        cwd=REPO / "tests" / "fixtures",
     )
     fp32 = read_metrics(three_step_run[0] / "run" / "metrics.jsonl")[1]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -386,7 +386,7 @@ def test_bf16_run_with_verl_plugins_and_a_loss_by_import_path(three_step_run, tm
         assert row["sync/bytes"] * 2 == fp32["sync/bytes"]
         # bf16 rounding on both sides: far above fp32's 1e-7, far below a mismatched model's ~1
         assert 1e-5 < row["actor/logprob_diff"] < 0.05
-        assert row["reward/failed"] == 0 and "reward/custom" in row and row["actor/halved_vanilla"] == 1.0
+        assert row["reward/failed"] == 0 and "reward/custom" in row
         # the plugin's dict fields: exact-match rate and answer rate, next to its partial-credit score
         assert 0.0 <= row["reward/extra/custom/exact"] <= row["reward/custom"] + 1e-9
         assert row["reward/extra/custom/answered"] >= row["reward/extra/custom/exact"]
