@@ -2,12 +2,12 @@
 
 This module is the only place that calls verl's algorithms. It adapts our plain tensors and config
 dataclasses to verl's function signatures and config objects: every advantage estimator verl
-registers that needs no critic, and every policy loss in its registry, by verl's names and keys.
+registers that needs no critic, and every policy loss in its registry, by verl's names and keys, and plug-ins by
+import path through the same registries (`registry`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,63 +15,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rl_tpu.algorithms.registry import core_algos, estimator_facts, loss_facts, policy_loss_fn
 from rl_tpu.config import ActorConfig, AlgorithmConfig, RunConfig, value_of
-
-# verl registers these, but each needs an input rl_tpu does not produce: refused at start, with the reason
-REFUSED_ESTIMATORS = {
-    "gae": "it needs a value model (critic), and rl_tpu trains none",
-    "remax": "it needs a greedy rollout of every prompt as its baseline, and rl_tpu does not generate one",
-    "optimal_token_baseline": "it needs the actor's sum of squared token probabilities before the advantages "
-    "(actor.calculate_sum_pi_squared in verl), and rl_tpu's trainer does not compute it",
-    "tir_optimal_token_baseline": "it needs the actor's sum of squared token probabilities (as "
-    "optimal_token_baseline) and multi-turn rollouts",
-}
-# estimators that compare the completions of one prompt: they need sampler.n >= 2
-GROUP_ESTIMATORS = (
-    "grpo",
-    "grpo_vectorized",
-    "grpo_passk",
-    "gdpo",
-    "rloo",
-    "rloo_vectorized",
-    "opo",
-    "reinforce_plus_plus_baseline",
-    "gpg",
-)
-# losses whose scalar is a plain mean over the micro-batch's rows (not `agg_loss` with the global counts)
-ROW_MEAN_LOSSES = ("geo_mean",)
-# losses that choose tokens by statistics of the micro-batch they see, as verl's do (per micro-batch there too)
-MICRO_BATCH_STATISTIC_LOSSES = ("clip_cov", "kl_cov")
-# losses under which a row whose advantages are all zero still changes the update, and why; under every other
-# loss such a row adds exactly zero to the loss and its gradient (tests/unit/test_algorithms.py checks each mode)
-ZERO_ADVANTAGE_ROWS_COUNT = {
-    "dro": "its penalty on the log-ratio does not scale with the advantage",
-    "clip_cov": "it picks the tokens it clips by statistics of the rows it sees",
-    "kl_cov": "it picks the tokens it penalises by statistics of the rows it sees",
-}
-
-
-@functools.lru_cache(maxsize=1)
-def _core_algos():
-    from verl.trainer.ppo import core_algos
-
-    return core_algos
-
-
-def adv_estimators() -> list[str]:
-    """The estimators rl_tpu runs: verl's registry less those that need what rl_tpu does not produce."""
-    return sorted(set(_core_algos().ADV_ESTIMATOR_REGISTRY) - set(REFUSED_ESTIMATORS))
-
-
-def validate_adv_estimator(name: str) -> None:
-    if name in REFUSED_ESTIMATORS:
-        raise ValueError(
-            f"algorithm.adv_estimator={name!r} is not supported: {REFUSED_ESTIMATORS[name]}. "
-            f"Allowed values are {', '.join(adv_estimators())}"
-        )
-    if name not in adv_estimators():
-        raise ValueError(f"algorithm.adv_estimator={name!r}: allowed values are {', '.join(adv_estimators())}")
-
 
 # verl's KL estimators (core_algos.kl_penalty) by the names it accepts; "+": that value, with the k2 gradient
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+")
@@ -85,6 +30,7 @@ def validate_kl_estimator(key: str, name: str) -> None:
 
 def validate_policy_loss(actor: ActorConfig) -> None:
     mode = value_of(actor.policy_loss.loss_mode)
+    loss_facts(mode)  # a known loss, or a plug-in that states its facts (registered into verl's registry)
     if mode == "dro" and not (actor.policy_loss.dro_beta or 0) > 0:
         raise ValueError(
             "actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (the penalty's "
@@ -112,8 +58,9 @@ def why_zero_advantage_rows_count(actor: ActorConfig) -> str | None:
     """Why, under these settings, a row whose advantages are all zero changes the update (its key and value);
     None: it adds nothing to the loss or the gradient, so the trainer may leave it out."""
     mode = value_of(actor.policy_loss.loss_mode)
-    if mode in ZERO_ADVANTAGE_ROWS_COUNT:
-        return f"actor.policy_loss.loss_mode={mode}: {ZERO_ADVANTAGE_ROWS_COUNT[mode]}"
+    reason = loss_facts(mode).zero_advantage_rows_count
+    if reason:
+        return f"actor.policy_loss.loss_mode={mode}: {reason}"
     if actor.use_kl_loss:
         return "actor.use_kl_loss=true: the KL term of every row is in the loss"
     if actor.entropy_coeff != 0.0:
@@ -140,11 +87,11 @@ def validate_truncated_sampling(cfg: RunConfig) -> None:
 def validate(cfg: RunConfig, reward_names: list[str]) -> None:
     """The algorithm settings, checked before anything starts; each error names the key and what is allowed."""
     algo, actor = cfg.algorithm, cfg.actor
-    validate_adv_estimator(algo.adv_estimator)
+    estimator = estimator_facts(algo.adv_estimator)
     validate_kl_estimator("actor.kl_loss_type", actor.kl_loss_type)
     validate_policy_loss(actor)
     validate_truncated_sampling(cfg)
-    if cfg.sampler.n < 2 and algo.adv_estimator in GROUP_ESTIMATORS:
+    if cfg.sampler.n < 2 and estimator.compares_group:
         raise ValueError(
             f"sampler.n={cfg.sampler.n}: {algo.adv_estimator} compares the completions of a prompt, "
             "so it needs sampler.n >= 2"
@@ -213,15 +160,14 @@ def advantages(
     """
     if model_masks is not None:
         return on_model_tokens(rewards, groups, lengths, cfg, components, token_penalties, model_masks)
-    core_algos = _core_algos()
     name = cfg.adv_estimator
-    validate_adv_estimator(name)
+    estimator_facts(name)  # refuses what rl_tpu cannot run; registers a plug-in in this process
     token_rewards, mask = token_level(rewards, lengths)
     for row, penalty in enumerate(token_penalties or ()):
         token_rewards[row, : len(penalty)] -= torch.tensor(penalty, dtype=torch.float32)
     index = np.asarray(groups)
     if name == "grpo":
-        adv, _ = core_algos.compute_grpo_outcome_advantage(
+        adv, _ = core_algos().compute_grpo_outcome_advantage(
             token_level_rewards=token_rewards,
             response_mask=mask,
             index=index,
@@ -241,7 +187,7 @@ def advantages(
                 "prompts": torch.zeros(len(rewards), 1, dtype=torch.long),
                 "attention_mask": torch.cat([torch.ones(len(rewards), 1, dtype=torch.long), mask.long()], dim=1),
             }
-        adv, _ = core_algos.get_adv_estimator_fn(name)(**kwargs)
+        adv, _ = core_algos().get_adv_estimator_fn(name)(**kwargs)
     return [row[:n].tolist() for row, n in zip(adv, lengths)]
 
 
@@ -346,7 +292,8 @@ class PolicyLoss:
         self.mode = value_of(actor.policy_loss.loss_mode)
         self.agg_mode = value_of(actor.loss_agg_mode)
         self.verl_cfg = _verl_actor_config(actor, response_length)
-        self.loss_fn = _core_algos().get_policy_loss_fn(self.mode)
+        self.facts = loss_facts(self.mode)
+        self.loss_fn = policy_loss_fn(self.mode)  # in a trainer rank: a plug-in is registered here, at its start
 
     def __call__(
         self,
@@ -362,7 +309,6 @@ class PolicyLoss:
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
         """The loss and its figures; the figures stay on the device (`DeviceScalars`)."""
-        core_algos = _core_algos()
         batch_info = {
             "dp_size": dp_size,
             "batch_num_tokens": global_tokens,
@@ -380,16 +326,16 @@ class PolicyLoss:
                 config=self.verl_cfg,
                 rollout_is_weights=rollout_is_weights,
             )
-        if self.mode in ROW_MEAN_LOSSES:  # a mean over this micro-batch's rows, made a share of the global mean
+        if self.facts.row_mean:  # a mean over this micro-batch's rows, made a share of the global mean
             loss = loss * (log_prob.shape[0] / global_seqs) * dp_size
         metrics = on_device(metrics, pooled)
         if self.actor.use_kl_loss:
-            kl = core_algos.kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=self.actor.kl_loss_type)
-            kl_loss = core_algos.agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info)
+            kl = core_algos().kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=self.actor.kl_loss_type)
+            kl_loss = core_algos().agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info)
             loss = loss + self.actor.kl_loss_coef * kl_loss
             metrics["actor/kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
         if self.actor.entropy_coeff != 0.0:
-            entropy_loss = core_algos.agg_loss(
+            entropy_loss = core_algos().agg_loss(
                 loss_mat=entropy, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info
             )
             loss = loss - self.actor.entropy_coeff * entropy_loss

@@ -19,7 +19,6 @@ from rl_tpu.config.choices import (
     DType,
     Layout,
     LossAggMode,
-    LossMode,
     OldLogprobSource,
     PinCores,
     ResumeMode,
@@ -137,7 +136,7 @@ class RolloutCorrectionConfig:
 class PolicyLossConfig:
     """verl's `actor.policy_loss`: which registered loss, and the settings only some losses read."""
 
-    loss_mode: LossMode = LossMode.vanilla
+    loss_mode: str = "vanilla"  # one of verl's (algorithms.registry.LOSS_FACTS) or an import path module:function
     clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens clipped
     clip_cov_lb: float = 1.0  # clip_cov: covariance bounds of the clipped tokens
     clip_cov_ub: float = 5.0
@@ -203,7 +202,7 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     # verl's estimator: grpo, rloo, opo, gpg, gdpo, grpo_passk, reinforce_plus_plus(_baseline), grpo/rloo_vectorized.
-    # verl's others need a critic or inputs rl_tpu does not make (algorithms.REFUSED_ESTIMATORS)
+    # verl's others need a critic or inputs rl_tpu does not make (algorithms.registry); or an import path mod:fn
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # divide each group's advantages by its reward std (false: Dr. GRPO)
     gamma: float = 1.0  # discount (reinforce_plus_plus)

@@ -67,23 +67,6 @@ LossAggMode = Enum(
 )
 
 
-class LossMode(str, Enum):
-    """verl 0.9.1's registered policy losses (core_algos.POLICY_LOSS_REGISTRY), by its names."""
-
-    vanilla = "vanilla"  # PPO-clip (dual-clip below with clip_ratio_c)
-    gspo = "gspo"  # sequence-level ratio (GSPO)
-    gpg = "gpg"  # no ratio: -A * logprob (GPG)
-    clip_cov = "clip_cov"  # clip the tokens of highest covariance (Clip-Cov)
-    kl_cov = "kl_cov"  # a KL term on the tokens of highest covariance (KL-Cov)
-    geo_mean = "geo_mean"  # geometric mean of the token ratios (GMPO)
-    cispo = "cispo"  # clipped IS weight times the logprob gradient (CISPO)
-    sapo = "sapo"  # soft gates instead of hard clipping (SAPO; aggregates seq-mean-token-mean)
-    dppo_kl = "dppo_kl"  # divergence-based trust region, KL (DPPO)
-    dppo_tv = "dppo_tv"  # divergence-based trust region, total variation (DPPO)
-    dro = "dro"  # quadratic log-ratio penalty (needs policy_loss.dro_beta)
-    bypass_mode = "bypass_mode"  # old logprobs are the sampler's; PPO-clip or REINFORCE (rollout_correction)
-
-
 class OldLogprobSource(str, Enum):
     trainer = "trainer"  # recomputed by the trainer before the first update (verl's default)
     sampler = "sampler"  # the sampler's own logprobs (no extra forward; the ratio also holds the mismatch)

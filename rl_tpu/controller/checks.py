@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rl_tpu.algorithms import core as algorithms
-from rl_tpu.algorithms import kl_reward, learning_signal
+from rl_tpu.algorithms import kl_reward, learning_signal, registry
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.cores import engine_threads
 from rl_tpu.cluster.device import Device
@@ -88,7 +88,7 @@ RESUME_MAY_CHANGE = (
 
 
 # Keys that decide which rows share a micro-batch: under the losses that pick tokens by statistics of the rows they
-# see (`algorithms.MICRO_BATCH_STATISTIC_LOSSES`), changing one changes the loss itself, so a resume may not
+# see (`LossFacts.micro_batch_statistics`), changing one changes the loss itself, so a resume may not
 MICRO_BATCH_KEYS = ("trainer.micro_batch_size", "trainer.world_size", "trainer.sort_by_length")
 # `data.` keys that shape training alone; every other one may change the held-out set
 TRAINING_ONLY_DATA_KEYS = ("data.train_files", "data.train_batch_size", "data.shuffle_seed")
@@ -104,7 +104,7 @@ def check_resumed_settings(
     a change of the held-out set is then refused, since the run would report a gain between two different sets."""
     changed = checkpoints.changed_settings(checkpoints.saved_settings(checkpoint), settings)
     loss = settings["actor"]["policy_loss"]["loss_mode"]
-    splits_matter = loss in algorithms.MICRO_BATCH_STATISTIC_LOSSES
+    splits_matter = registry.loss_facts(loss).micro_batch_statistics
     may_change = tuple(k for k in RESUME_MAY_CHANGE if not (splits_matter and k in MICRO_BATCH_KEYS))
     refused = {key: values for key, values in changed.items() if not key.startswith((*may_change, *allow_changes))}
     if refused:

@@ -297,7 +297,10 @@ def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cl
 
 
 def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
-    """verl's GSM8K parquet (from the prepare script) through the CLI, with the gsm8k + format rewards."""
+    """verl's GSM8K parquet (from the prepare script) through the CLI, with the gsm8k + format rewards; and a loss
+    and an estimator by import path from a module in the folder the run starts in (tests/fixtures/custom_losses.py):
+    the driver registers the estimator for the advantages, the trainer rank, a Ray actor that imports afresh, the
+    loss, whose own figure reaches metrics.jsonl."""
     from recipes.grpo_gsm8k.prepare import main as prepare
 
     prepare(["--input_dir", str(REPO / "tests" / "fixtures" / "gsm8k"), "--output_dir", str(tmp_path / "data")])
@@ -312,12 +315,15 @@ def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
         "reward.name=gsm8k",
         "+reward.combine={gsm8k: 1.0, format: 0.1}",
         "trainer.world_size=1",
+        "actor.policy_loss.loss_mode=custom_losses:halved_vanilla",
+        "algorithm.adv_estimator=custom_losses:doubled_rloo",
+        cwd=REPO / "tests" / "fixtures",
     )
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert {"reward/gsm8k", "reward/format", "reward/failed", "time/reward_s"} <= set(row)
-        assert row["reward/failed"] == 0 and row["sync/version"] == row["step"]
+        assert row["reward/failed"] == 0 and row["sync/version"] == row["step"] and row["actor/halved_vanilla"] == 1.0
         assert row["reward/mean"] == pytest.approx(row["reward/gsm8k"] + 0.1 * row["reward/format"])
     assert {"eval/accuracy", "eval/gsm8k", "eval/format"} <= set(rows[2])
 

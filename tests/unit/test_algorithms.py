@@ -10,10 +10,11 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import make_batch
+from conftest import REPO, make_batch
 
 from rl_tpu.algorithms import core as algorithms
-from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode, LossMode, PolicyLossConfig, RunConfig
+from rl_tpu.algorithms.registry import LOSS_FACTS, REFUSED_ESTIMATORS, adv_estimators, estimator_facts, is_import_path
+from rl_tpu.config import ActorConfig, AlgorithmConfig, LossAggMode, PolicyLossConfig, RunConfig
 from rl_tpu.models.logprobs import pad_batch, token_logprobs
 from rl_tpu.models.tiny import build_model
 from rl_tpu.records import TrainBatch
@@ -27,18 +28,18 @@ def small_model() -> torch.nn.Module:
 
 
 def test_the_menus_are_verls_registries():
-    """Every policy loss verl 0.9.1 registers is a LossMode; every estimator is exposed or refused with a reason."""
+    """Every policy loss verl 0.9.1 registers has a facts record; every estimator is exposed or refused with a
+    reason (plug-ins other tests registered aside)."""
     from verl.trainer.ppo import core_algos
 
-    assert {m.value for m in LossMode} == set(core_algos.POLICY_LOSS_REGISTRY)
-    assert set(algorithms.adv_estimators()) | set(algorithms.REFUSED_ESTIMATORS) == set(
-        core_algos.ADV_ESTIMATOR_REGISTRY
-    )
-    assert "gae" in algorithms.REFUSED_ESTIMATORS and len(algorithms.adv_estimators()) >= 10
+    assert set(LOSS_FACTS) == {k for k in core_algos.POLICY_LOSS_REGISTRY if not is_import_path(k)}
+    verls = {k for k in core_algos.ADV_ESTIMATOR_REGISTRY if not is_import_path(k)}
+    assert set(adv_estimators()) | set(REFUSED_ESTIMATORS) == verls
+    assert "gae" in REFUSED_ESTIMATORS and len(adv_estimators()) >= 10
     with pytest.raises(ValueError, match="'gae' is not supported: it needs a value model"):
-        algorithms.validate_adv_estimator("gae")
-    with pytest.raises(ValueError, match="allowed values are .*grpo.*rloo"):
-        algorithms.validate_adv_estimator("gaee")
+        estimator_facts("gae")
+    with pytest.raises(ValueError, match="allowed values are .*grpo.*rloo.*, or an import path module:function"):
+        estimator_facts("gaee")
 
 
 def test_grpo_advantages_match_group_normalisation():
@@ -83,7 +84,7 @@ def verl_advantages(name: str, rewards, groups, lengths, components=None):
     return advantages, mask
 
 
-@pytest.mark.parametrize("name", algorithms.adv_estimators())
+@pytest.mark.parametrize("name", adv_estimators())
 def test_every_estimator_equals_verls_own(name):
     rng = random.Random(1)
     lengths = [rng.randint(1, 6) for _ in range(12)]
@@ -118,7 +119,7 @@ def episode_batch(cut_after_tool: bool):
 
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 @pytest.mark.parametrize("cut_after_tool", [False, True])
-@pytest.mark.parametrize("name", algorithms.adv_estimators())
+@pytest.mark.parametrize("name", adv_estimators())
 def test_every_estimator_gives_an_episodes_model_turns_what_they_get_without_the_tool_turn(name, cut_after_tool, gamma):
     """Each model token's advantage is what the same tokens get with the environment's tokens taken out (any KL
     penalty on them too), and a tool result gets none: the first turn of a solved episode gains, under every
@@ -180,7 +181,7 @@ def verl_loss_config(mode: str, agg_mode: str):
 def actor_config(mode: str, agg_mode: str) -> ActorConfig:
     actor = ActorConfig(clip_ratio_high=0.28, loss_agg_mode=LossAggMode(agg_mode), loss_scale_factor=16)
     actor.policy_loss = PolicyLossConfig(
-        loss_mode=LossMode(mode), clip_cov_ratio=0.2, clip_cov_lb=-5.0, kl_cov_ratio=0.2, dro_beta=0.1
+        loss_mode=mode, clip_cov_ratio=0.2, clip_cov_lb=-5.0, kl_cov_ratio=0.2, dro_beta=0.1
     )
     actor.policy_loss.rollout_correction.loss_type = "reinforce"
     return actor
@@ -253,12 +254,12 @@ def assert_same(ours, reference) -> None:
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("mode", [m.value for m in LossMode])
+@pytest.mark.parametrize("mode", sorted(LOSS_FACTS))
 def test_every_loss_mode_equals_verls_own_on_the_whole_batch(mode):
     """Micro-batches of 3 (their gradients summed) against verl's loss of the unpadded batch at once. clip_cov and
     kl_cov choose tokens by the statistics of the micro-batch they see (in verl too): one micro-batch of 8."""
     model, batch = small_model(), make_batch()
-    micro = 8 if mode in algorithms.MICRO_BATCH_STATISTIC_LOSSES else 3
+    micro = 8 if LOSS_FACTS[mode].micro_batch_statistics else 3
     reference = reference_loss_and_grads(model, batch, mode, "token-mean")
     assert_same(our_loss_and_grads(model, batch, actor_config(mode, "token-mean"), micro), reference)
 
@@ -405,7 +406,7 @@ def test_which_importance_weights_the_trainer_applies():
     assert algorithms.rollout_is_level(ActorConfig(), async_mode=True) == "token"
     assert algorithms.rollout_is_level(ActorConfig(rollout_is=RolloutIS.token), async_mode=False) == "token"
     assert algorithms.rollout_is_level(ActorConfig(rollout_is=RolloutIS.off), async_mode=True) is None
-    bypass = ActorConfig(policy_loss=PolicyLossConfig(loss_mode=LossMode.bypass_mode))
+    bypass = ActorConfig(policy_loss=PolicyLossConfig(loss_mode="bypass_mode"))
     assert algorithms.rollout_is_level(bypass, async_mode=True) is None
     log_prob = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
     sampler = torch.log(torch.tensor([[0.25, 0.5, 1.0]]))  # token ratios 2, 1, 0.5: the sequence's product is 1
@@ -426,21 +427,21 @@ def batch_with_rows_without_signal() -> TrainBatch:
 
 @pytest.mark.parametrize(
     "mode,agg_mode",
-    [(m.value, "token-mean") for m in LossMode]
+    [(mode, "token-mean") for mode in sorted(LOSS_FACTS)]
     + [("vanilla", m.value) for m in LossAggMode if m.value != "token-mean"],
 )
 def test_rows_without_advantage_add_nothing_to_loss_and_gradients_under_every_loss_not_listed(mode, agg_mode):
     """The trainer leaves out rows with all-zero advantages, and rows out of the loss, under every loss but those
-    `algorithms.ZERO_ADVANTAGE_ROWS_COUNT` lists: the rest must give the whole batch's loss and gradients (the
+    whose facts say they count (`LossFacts.zero_advantage_rows_count`): the rest must give the whole batch's loss and gradients (the
     normalisers keep the whole batch's counts), and each listed loss must indeed need those rows."""
     model, batch = small_model(), batch_with_rows_without_signal()
     kept = batch.rows_with_signal(multiple=1)
     assert len(kept) == 7 and all(any(a) for a in kept.advantages) and kept.num_tokens() < batch.num_tokens()
-    micro = 12 if mode in algorithms.MICRO_BATCH_STATISTIC_LOSSES else 3
+    micro = 12 if LOSS_FACTS[mode].micro_batch_statistics else 3
     actor = actor_config(mode, agg_mode)
     whole = our_loss_and_grads(model, batch, actor, micro)
     trained = our_loss_and_grads(model, kept, actor, micro, global_batch=batch)
-    if mode not in algorithms.ZERO_ADVANTAGE_ROWS_COUNT:
+    if not LOSS_FACTS[mode].zero_advantage_rows_count:
         assert algorithms.why_zero_advantage_rows_count(actor) is None
         assert_same(trained, whole)
         return
@@ -466,10 +467,10 @@ def test_rows_kept_for_the_gradient_split_evenly_over_ranks():
     assert len(none.rows_with_signal(2)) == 2  # one row per rank: every rank still steps its optimizer
 
 
-@pytest.mark.parametrize("mode", [m.value for m in LossMode])
+@pytest.mark.parametrize("mode", sorted(LOSS_FACTS))
 def test_only_the_listed_losses_depend_on_which_rows_share_a_micro_batch(mode):
     """trainer.micro_batch_size, world_size and sort_by_length decide which rows share a micro-batch. A resume may
-    change them (controller/checks.py) under every loss but those `MICRO_BATCH_STATISTIC_LOSSES` lists: the loss
+    change them (controller/checks.py) under every loss but those whose facts say `micro_batch_statistics`: the loss
     and gradients of any split equal those of the whole batch at once, and under each listed loss they do not."""
     model, batch = small_model(), make_batch()
     actor = actor_config(mode, "token-mean")
@@ -489,7 +490,7 @@ def test_only_the_listed_losses_depend_on_which_rows_share_a_micro_batch(mode):
             assert_same(result, whole)
         except AssertionError:
             differ.append(split)
-    assert differ == (list(splits) if mode in algorithms.MICRO_BATCH_STATISTIC_LOSSES else [])
+    assert differ == (list(splits) if LOSS_FACTS[mode].micro_batch_statistics else [])
 
 
 def test_a_batch_that_would_give_ranks_unequal_shares_is_refused():
@@ -514,7 +515,7 @@ def test_skipping_rows_is_refused_where_they_count():
     algorithms.validate(cfg, ["arithmetic"])
 
 
-@pytest.mark.parametrize("mode", [m.value for m in LossMode])
+@pytest.mark.parametrize("mode", sorted(LOSS_FACTS))
 def test_every_loss_modes_figures_stay_on_the_device_and_equal_a_plain_call(mode):
     """`DeviceScalars` around verl's loss keeps its `.item()` figures as tensors; read, they are the plain call's."""
     torch.manual_seed(0)
@@ -560,3 +561,83 @@ def test_the_batch_layout_puts_every_token_in_its_place(tiny_model_dir):
         assert t["sampler_logprobs"][i, : len(c)].tolist() == pytest.approx(batch.sampler_logprobs[i], rel=1e-6)
         assert t["advantages"][i, : len(c)].tolist() == pytest.approx(batch.advantages[i], rel=1e-6)
         assert t["position_ids"][i, prompt_len - len(p) : prompt_len + len(c)].tolist() == list(range(len(p) + len(c)))
+
+
+@pytest.fixture
+def plugins(monkeypatch):
+    """tests/fixtures on the path: its `custom_losses` module is found by import path, as a user's own module is."""
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "fixtures"))
+
+
+def test_a_loss_and_an_estimator_by_import_path_go_through_verls_registries(plugins):
+    """A plug-in is registered under its import path: verl's own dispatch finds it, the trainer's loss and the
+    advantages compute with it, and the checks apply its facts."""
+    import custom_losses
+    from verl.trainer.ppo import core_algos
+
+    cfg = RunConfig()
+    cfg.actor.policy_loss.loss_mode = "custom_losses:halved_vanilla"
+    cfg.algorithm.adv_estimator = "custom_losses:doubled_rloo"
+    algorithms.validate(cfg, ["arithmetic"])
+    assert core_algos.get_policy_loss_fn("custom_losses:halved_vanilla") is custom_losses.halved_vanilla
+    assert core_algos.get_adv_estimator_fn("custom_losses:doubled_rloo") is custom_losses.doubled_rloo
+
+    torch.manual_seed(0)
+    log_prob = torch.log(torch.rand(4, 6) * 0.9 + 0.05)
+    args = (log_prob, log_prob + 0.1 * torch.randn(4, 6), torch.randn(4, 6), torch.ones(4, 6), 24, 4, 1)
+    halved, metrics = algorithms.PolicyLoss(cfg.actor, response_length=6)(*args)
+    vanilla, _ = algorithms.PolicyLoss(ActorConfig(), response_length=6)(*args)
+    torch.testing.assert_close(halved, 0.5 * vanilla)
+    assert metrics["actor/halved_vanilla"] == 1.0
+
+    rewards, groups, lengths = [1.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], [3, 1, 2, 4]
+    doubled = algorithms.advantages(rewards, groups, lengths, cfg.algorithm)
+    rloo = algorithms.advantages(rewards, groups, lengths, AlgorithmConfig(adv_estimator="rloo"))
+    assert [a[0] for a in doubled] == pytest.approx([2 * a[0] for a in rloo])
+    cfg.sampler.n = 1  # its facts say it compares a prompt's completions
+    with pytest.raises(ValueError, match="sampler.n=1: custom_losses:doubled_rloo compares the completions"):
+        algorithms.validate(cfg, ["arithmetic"])
+
+
+def test_a_plugin_losss_facts_decide_what_the_trainer_may_skip_and_how_it_scales(plugins):
+    """`counted_vanilla` says rows without advantage count: the trainer keeps them and skipping them is refused.
+    `geo_mean_rows` says it is a row mean: micro-batched, it still equals verl's loss of the whole batch."""
+    actor = actor_config("custom_losses:counted_vanilla", "token-mean")
+    assert "loss_mode=custom_losses:counted_vanilla: its author says so" in algorithms.why_zero_advantage_rows_count(
+        actor
+    )
+    cfg = RunConfig(actor=actor)
+    cfg.trainer.skip_zero_advantage_rows = True
+    with pytest.raises(ValueError, match="skip_zero_advantage_rows=true would change the update: .*its author"):
+        algorithms.validate(cfg, ["arithmetic"])
+    assert algorithms.why_zero_advantage_rows_count(actor_config("custom_losses:halved_vanilla", "token-mean")) is None
+    model, batch = small_model(), make_batch()
+    reference = reference_loss_and_grads(model, batch, "geo_mean", "token-mean")
+    assert_same(
+        our_loss_and_grads(model, batch, actor_config("custom_losses:geo_mean_rows", "token-mean"), 3), reference
+    )
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("loss_mode", "custom_losses:no_facts", r"states no facts: set no_facts.loss_facts = LossFacts\(zero_adv"),
+        ("loss_mode", "custom_losses:doubled_rloo", "states no facts: set doubled_rloo.loss_facts"),  # an estimator
+        ("loss_mode", "custom_losses:absent", "custom_losses has no function absent"),
+        ("loss_mode", "no_such_module:loss", "cannot import no_such_module .*: on PYTHONPATH, or under the folder"),
+        ("loss_mode", "custom_losses", "allowed values are vanilla, .*, or an import path module:function"),
+        (
+            "adv_estimator",
+            "custom_losses:halved_vanilla",
+            "states no facts: set halved_vanilla.estimator_facts = Estim",
+        ),
+        ("adv_estimator", "custom_losses:absent", "custom_losses has no function absent"),
+    ],
+)
+def test_a_plugin_that_cannot_be_used_is_refused_naming_the_key(plugins, key, value, message):
+    cfg = RunConfig()
+    section = cfg.actor.policy_loss if key == "loss_mode" else cfg.algorithm
+    setattr(section, key, value)
+    full_key = "actor.policy_loss.loss_mode" if key == "loss_mode" else "algorithm.adv_estimator"
+    with pytest.raises(ValueError, match=f"{full_key}='{value}'(: | ){message}"):
+        algorithms.validate(cfg, ["arithmetic"])

@@ -93,14 +93,14 @@ def saved_run(folder, **changes) -> dict:
 def test_a_resume_keeps_the_micro_batches_under_the_losses_that_depend_on_them(tmp_path, loss):
     """clip_cov and kl_cov pick tokens by statistics of each micro-batch (test_algorithms.py checks which losses do):
     a resume that changes which rows share one changes their loss, and is refused naming the keys and the loss."""
-    from rl_tpu.algorithms import core as algorithms
+    from rl_tpu.algorithms.registry import LOSS_FACTS
     from rl_tpu.controller.checks import check_resumed_settings
 
     folder = make_checkpoint(tmp_path, "step_3")
     saved_run(folder, actor__policy_loss__loss_mode=loss)
     resplit = dict(trainer__micro_batch_size=2, trainer__world_size=2, trainer__sort_by_length=False)
     now = saved_run(tmp_path, actor__policy_loss__loss_mode=loss, **resplit)
-    if loss not in algorithms.MICRO_BATCH_STATISTIC_LOSSES:
+    if not LOSS_FACTS[loss].micro_batch_statistics:
         assert set(check_resumed_settings(folder, now, [])) == set(checks.MICRO_BATCH_KEYS)
         return
     with pytest.raises(ValueError, match=r"trainer.micro_batch_size: 64 -> 2, trainer.sort_by_length: True -> False, "
