@@ -5,7 +5,8 @@ metrics.jsonl.
     python benchmarks/first_step.py --recipes grpo_math,tool_math --out benchmarks/results/first_step.json
 
 Figures per recipe: seconds from the process start to metrics.jsonl's first line (the step-0 evaluation) and to
-its first train step, and the cache's model folder (shipped or built).
+its first train step, the held-out start and the first step's reward, and the cache's model folder (shipped or
+built).
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def time_first_step(recipe: str, timeout_s: float) -> dict:
         "first_line_s": round(first_line, 1),
         "first_step_s": round(first_step, 1),
         "load_average_at_first_step": load,
+        "step0_eval_accuracy": rows[0].get("eval/accuracy"),  # the held-out start the recipe's README records
+        "step1_reward_mean": next(r["reward/mean"] for r in rows if r["step"] == 1),
         "model_folder": model.name,
         "shipped": model.name in read_manifest(),
-        "home": str(home),
     }
 
 

@@ -1,5 +1,6 @@
 """Models: which model a run trains (`resolve`: `model.path`, or the locally built tiny preset and its warm
-start), the tiny Qwen3 model and tokenizer (`tiny`), token logprobs in chunks and the batch layout
+start), the warm-started presets shipped with the package and their checksums (`shipped`), the tiny Qwen3 model
+and tokenizer (`tiny`), token logprobs in chunks and the batch layout
 (`logprobs`), precision settings (`precision`), Hugging Face names and folders (`hf`).
 
 May import data, config and records.

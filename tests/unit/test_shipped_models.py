@@ -27,7 +27,7 @@ def test_the_manifest_holds_the_keys_the_recipes_make_now():
     manifest = read_manifest()
     keys = {ship_tiny_models.folder_name(overrides): name for name, overrides in ship_tiny_models.PRESETS.items()}
     assert {folder: entry["name"] for folder, entry in manifest.items()} == keys
-    assert set(keys.values()) == {"grpo_math", "tool_math", "episodes_fixture"}
+    assert set(keys.values()) == {"grpo_math", "tool_math"}
     for entry in manifest.values():
         assert entry["overrides"] == ship_tiny_models.PRESETS[entry["name"]]
 
