@@ -1,4 +1,5 @@
-"""Where the policy comes from: a user's Hugging Face folder, or the locally built `tiny_arith` preset."""
+"""Where the policy comes from: a user's Hugging Face folder, or the `tiny_arith` preset, shipped warm-started
+(`shipped`) or built locally."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from rl_tpu.data.arithmetic import (
     split_arithmetic_problems,
     tool_trace,
 )
+from rl_tpu.models.shipped import install_shipped
 from rl_tpu.records import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -40,21 +42,12 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
                 f"model.path={cfg.path}: no config.json there; expected a Hugging Face model folder"
             )
         return path
-    settings = {
-        "tiny": preset_key_fields(cfg.tiny),
-        "ops": data.ops,
-        "max_operand": data.max_operand,
-        "num_eval": data.num_eval,
-        "data_seed": data.seed,
-        "split": SPLIT_VERSION,  # the warm start trains on the training split
-    }
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    folder = cache_dir / "models" / f"tiny_arith-{key}"
+    folder = cache_dir / "models" / preset_folder_name(cfg.tiny, data)
     # a sweep's trials start at once: one builds, the others wait and reuse it
     lock = FileLock(folder.parent / f".{folder.name}.lock")
     try:
         with lock.acquire(timeout=BUILD_WAIT_S):
-            if not (folder / "model.safetensors").is_file():
+            if not (folder / "model.safetensors").is_file() and not install_shipped(folder):
                 build_tiny_arith(cfg.tiny, data, folder)
     except Timeout:
         raise TimeoutError(
@@ -62,6 +55,19 @@ def resolve_model_path(cfg: ModelConfig, data: DataConfig, cache_dir: Path) -> P
             f"{BUILD_WAIT_S:g} s; if no run is building it, delete the lock file"
         ) from None
     return folder
+
+
+def preset_folder_name(tiny: TinyModelConfig, data: DataConfig) -> str:
+    """The cache folder of the preset built with these settings: `tiny_arith-<12 hex digits of their sha256>`."""
+    settings = {
+        "tiny": preset_key_fields(tiny),
+        "ops": data.ops,
+        "max_operand": data.max_operand,
+        "num_eval": data.num_eval,
+        "data_seed": data.seed,
+        "split": SPLIT_VERSION,  # the warm start trains on the training split
+    }
+    return "tiny_arith-" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def preset_key_fields(tiny: TinyModelConfig) -> dict:
