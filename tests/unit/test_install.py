@@ -87,13 +87,16 @@ def pinned_packages() -> dict[str, str]:
     return pins
 
 
-def named_packages(text: str) -> set[str]:
-    """Names that a sentence about installing quotes (`name`, `pip install name`, `package (name`)."""
+def named_packages(text: str, quoted: bool = True) -> set[str]:
+    """Names that a sentence about installing quotes (`name`, `pip install name`, `package (name`); with
+    `quoted=False` (code, whose sentences "install" weights into engines), `pip install name` and `package (name`
+    only."""
     names = set()
     for sentence in re.split(r"(?<=[.!?;:])\s+|\n\s*\n", text):
         if not re.search(r"\b(install\w*|packages?)\b", sentence, re.I):
             continue
-        names.update(token.split()[0] for token in re.findall(r"`([^`\n]+)`", sentence))
+        if quoted:
+            names.update(token.split()[0] for token in re.findall(r"`([^`\n]+)`", sentence))
         names.update(re.findall(r"\bpackages? \(([A-Za-z0-9][\w.-]*)", sentence))
         for args in re.findall(r"pip install ([^\n`'\"]*)", sentence):
             names.update(re.split(r"[=<>\[]", arg)[0] for arg in args.split())
@@ -112,7 +115,7 @@ def test_named_packages_are_pinned():
     unpinned = {
         f"{name} ({path.relative_to(REPO)})"
         for path in DOC_FILES
-        for name in named_packages(path.read_text(errors="ignore"))
+        for name in named_packages(path.read_text(errors="ignore"), quoted=path.suffix != ".py")
         if normalise(name) not in pins
     }
     assert not unpinned, f"named as something to install but not pinned (name==version) in {INSTALL_FILES}: {unpinned}"
