@@ -23,7 +23,7 @@ from rl_tpu.cluster import cores as cpu_binding
 from rl_tpu.cluster import placement, rendezvous
 from rl_tpu.cluster.actor_logs import actor_name
 from rl_tpu.cluster.calls import ActorError, gather
-from rl_tpu.config import RunConfig, TrainerConfig, value_of
+from rl_tpu.config import RunConfig, TrainerConfig
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeOptions
 from rl_tpu.episodes.tools import ToolSettings
 from rl_tpu.records import TrainBatch, WeightBundle
@@ -184,7 +184,7 @@ def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir:
     store = workers.rendezvous = rendezvous.RendezvousStore(cfg.trainer.world_size, cfg.ray.start_timeout_s)
     trainer_cls = ray.remote(TrainerWorker)
     env = {**trainer_env(cfg.trainer, model_path), **rendezvous.AGENT_STORE_ENV}
-    if value_of(cfg.device) == "cuda":
+    if cfg.device == "cuda":
         env.update(rendezvous.ALL_GPUS_VISIBLE_ENV)
     for rank, binding in enumerate(bindings):
         options = reservation.trainer_options(rank)
@@ -270,7 +270,7 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
         workers.samplers.engines.append(
             launch_sampler(
                 str(model_path),
-                value_of(cfg.model.dtype),
+                cfg.model.dtype,
                 max_len,
                 s.kv_cache_gb,
                 s.seed + engine,

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.placement import start_ray
-from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
+from rl_tpu.config import RunConfig, Tracker, cache_path
 from rl_tpu.controller import evaluation, memory_plan
 from rl_tpu.controller.actors import Workers, start_workers, tool_settings
 from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resume_files, check_resumed_settings, validate
@@ -114,7 +114,7 @@ def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, Path | Non
     starts a new folder from another run's checkpoint.
     """
     t = job.cfg.trainer
-    checkpoint = checkpoints.resume_point(job.run_dir, restarted or value_of(t.resume) == "auto", t.resume_from)
+    checkpoint = checkpoints.resume_point(job.run_dir, restarted or t.resume == "auto", t.resume_from)
     if checkpoint is None:
         job.logger.truncate_after(None)
         return 0, None
@@ -177,7 +177,7 @@ def train(job: Job, restarted: bool) -> None:
         if cfg.trainer.export:
             workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
             adapter = cfg.lora_sync is not None  # the export is the adapter, in fp32 (its master weights)
-            dtype = "float32" if adapter else value_of(cfg.model.dtype)
+            dtype = "float32" if adapter else cfg.model.dtype
             write_model_card(job.run_dir / "export", job.run_dir, dtype, adapter=adapter)
             if cfg.trainer.push_to_hub:
                 push_to_hub(job.run_dir / "export", cfg.trainer.push_to_hub, public=cfg.export.public)
@@ -192,7 +192,7 @@ def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]
             f"data.train_batch_size={cfg.data.train_batch_size} is larger than the "
             f"{len(train_examples)} usable prompts of {training_data(cfg)}"
         )
-    check_decoder(model_path, cfg.model.fp32_residual and value_of(cfg.model.dtype) != "float32")
+    check_decoder(model_path, cfg.model.fp32_residual and cfg.model.dtype != "float32")
     check_context(model_path, cfg.data.max_prompt_length, cfg.completion_tokens, cfg.completion_keys)
 
 
@@ -239,7 +239,7 @@ def run(
     started = time.monotonic()
     validate(cfg)
     settings = OmegaConf.to_yaml(OmegaConf.structured(cfg))  # as given: before anything is derived from them
-    resuming = checkpoints.resume_point(run_dir, value_of(cfg.trainer.resume) == "auto", cfg.trainer.resume_from)
+    resuming = checkpoints.resume_point(run_dir, cfg.trainer.resume == "auto", cfg.trainer.resume_from)
     changed = {}
     if resuming is not None:
         own = checkpoints.in_folder(resuming, run_dir)
@@ -270,7 +270,7 @@ def run(
         start_ray(cfg.ray, bundle_bytes(model_path, cfg.model.torch_dtype))
         kind = placement.device_kind(cfg.device, ray.cluster_resources())
         transport_class(cfg.sync.transport).check_device(cfg, kind)
-        if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
+        if kind == "cpu" and (why := precision.slow_bf16_warning(cfg.model.dtype)):
             log.warning(why)
         if cfg.actor.lora.enabled:  # the actors get the resolved device, from which `lora_sync` decides the same
             sends = LORA_SENDS[dataclasses.replace(cfg, device=kind).lora_sync]
