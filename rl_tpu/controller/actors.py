@@ -29,7 +29,8 @@ from rl_tpu.episodes.tools import ToolSettings
 from rl_tpu.records import TrainBatch, WeightBundle
 from rl_tpu.sampler.adapters import AdapterServing
 from rl_tpu.sampler.engine import EngineOptions, launch_sampler
-from rl_tpu.sampler.pool import EngineRecovery, SamplerPool
+from rl_tpu.sampler.pool import SamplerPool
+from rl_tpu.sampler.restarts import EngineRecovery
 from rl_tpu.sync.base import Placed
 from rl_tpu.sync.registry import transport_class
 from rl_tpu.trainer.worker import TrainerWorker
@@ -131,7 +132,9 @@ def start_actors(
     log_dir = str(run_dir / "logs")
     actors = ActorHandles([], SamplerPool([], log_dir), reservation, cfg, log_dir)
     if restarts_in_place(cfg):
-        actors.samplers.recovery = EngineRecovery(actors.publish, cfg.sampler.max_restarts, cfg.ray.start_timeout_s)
+        actors.samplers.restarts.recovery = EngineRecovery(
+            actors.publish, cfg.sampler.max_restarts, cfg.ray.start_timeout_s
+        )
     try:
         check_transport_reach(cfg, reservation)
         actor_cfg = dataclasses.replace(cfg, device=kind)  # resolved again on each actor's node
@@ -251,7 +254,7 @@ def _start_engines(actors: ActorHandles, cfg: RunConfig, model_path: Path, log_d
     plan, s = actors.reservation.plan, cfg.sampler
     memory = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if plan.layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
     max_len = cfg.data.max_prompt_length + cfg.completion_tokens
-    restarts = s.max_restarts if actors.samplers.recovery else 0
+    restarts = s.max_restarts if actors.samplers.restarts.recovery else 0
     for engine, binding in enumerate(bindings):
         options = EngineOptions(
             engine,
