@@ -43,7 +43,7 @@ from record import write_record  # beside this script
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from rl_tpu.cluster.memory import peak_rss_mb
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig
 from rl_tpu.outputs.metrics import read_metrics
 from rl_tpu.records import TrainBatch
 
@@ -278,7 +278,7 @@ def check_trainer(args, tmp: Path, peak: float | None) -> dict:
     # what torch allocated on the GPU; on the CPU this process's peak resident memory (the reference model's too)
     memory = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else peak_rss_mb() / 2**10
     return {
-        "workload": f"{args.trainer_shape} shape, {value_of(cfg.model.dtype)}, "
+        "workload": f"{args.trainer_shape} shape, {cfg.model.dtype}, "
         f"{args.prompts} prompts x {args.n} sequences, "
         f"prompts of {args.prompt_len} and completions of 1-{args.completion_len} tokens, "
         f"micro-batches of {args.micro_batch_size}, compile={args.compile}, world size 1"

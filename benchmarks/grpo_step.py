@@ -53,7 +53,7 @@ from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import DataConfig, RunConfig, TinyModelConfig
-from rl_tpu.controller.actors import start_workers
+from rl_tpu.controller.actors import start_actors
 from rl_tpu.controller.checks import validate
 from rl_tpu.controller.rollouts import RolloutQueue
 from rl_tpu.controller.step import grpo_step
@@ -190,18 +190,18 @@ def measure(variant: Variant, model: Path, data: Path, run_dir: Path, steps: int
     examples = load_examples(cfg.data.train_files, tokenizer, cfg.data)
     grader = Grader(cfg.reward)
     load_before = os.getloadavg()
-    workers = start_workers(cfg, model, run_dir, "cpu")
+    actors = start_actors(cfg, model, run_dir, "cpu")
     rows = []
     try:
-        queue = RolloutQueue(workers, batches(examples, cfg.data.train_batch_size, cfg.data.seed), cfg, taken=0)
+        queue = RolloutQueue(actors, batches(examples, cfg.data.train_batch_size, cfg.data.seed), cfg, taken=0)
         signal = LearningSignal(cfg)
         for step in range(1, warmup + steps + 1):
-            rows.append(grpo_step(step, queue, workers, tokenizer, grader, cfg, signal)[0])
+            rows.append(grpo_step(step, queue, actors, tokenizer, grader, cfg, signal)[0])
             if step < warmup + steps:
                 queue.fill_after(step)
         pinned = json.loads((run_dir / "placement.json").read_text())
     finally:
-        workers.shutdown()
+        actors.shutdown()
         grader.close()
     timed = rows[warmup:]
 

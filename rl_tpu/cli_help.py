@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
 import io
+import pkgutil
 import re
 import tokenize
 from enum import Enum
 from importlib import resources
+from types import ModuleType
 
 from rl_tpu import config
 
@@ -105,15 +108,15 @@ def recipes() -> list[tuple[str, str]]:
     return found
 
 
+def config_modules() -> list[ModuleType]:
+    """The schema's modules: the package and every module in it, so that a section moved or added is read too."""
+    names = sorted(info.name for info in pkgutil.iter_modules(config.__path__))
+    return [config, *(importlib.import_module(f"{config.__name__}.{name}") for name in names)]
+
+
 def help_text() -> str:
     comments = {}
-    for module in (
-        config,
-        config.episode,
-        config.lora,
-        config.reward,
-        config.tiny,
-    ):  # the schema's modules: the sections in files of their own
+    for module in config_modules():
         comments.update(field_comments(inspect.getsource(module)))
     lines = [USAGE, "recipes (+recipe=NAME):"]
     lines += [f"  {name:<20} {what}" for name, what in recipes()]

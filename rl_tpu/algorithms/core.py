@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rl_tpu.algorithms.registry import core_algos, estimator_facts, loss_facts, policy_loss_fn
-from rl_tpu.config import ActorConfig, AlgorithmConfig, RunConfig, value_of
+from rl_tpu.config import ActorConfig, AlgorithmConfig, RunConfig
 
 # verl's KL estimators (core_algos.kl_penalty) by the names it accepts; "+": that value, with the k2 gradient
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+")
@@ -29,18 +29,18 @@ def validate_kl_estimator(key: str, name: str) -> None:
 
 
 def validate_policy_loss(actor: ActorConfig) -> None:
-    mode = value_of(actor.policy_loss.loss_mode)
+    mode = actor.policy_loss.loss_mode
     loss_facts(mode)  # a known loss, or a plug-in that states its facts (registered into verl's registry)
     if mode == "dro" and not (actor.policy_loss.dro_beta or 0) > 0:
         raise ValueError(
             "actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (the penalty's "
             f"coefficient); got {actor.policy_loss.dro_beta}"
         )
-    if mode == "bypass_mode" and value_of(actor.rollout_is) not in ("auto", "off"):
+    if mode == "bypass_mode" and actor.rollout_is not in ("auto", "off"):
         raise ValueError(
             "actor.policy_loss.loss_mode=bypass_mode computes its own importance weights: set "
             "actor.policy_loss.rollout_correction.rollout_is instead of actor.rollout_is="
-            f"{value_of(actor.rollout_is)}"
+            f"{actor.rollout_is}"
         )
     loss_type = actor.policy_loss.rollout_correction.loss_type
     if loss_type not in ("ppo_clip", "reinforce"):
@@ -57,7 +57,7 @@ def validate_policy_loss(actor: ActorConfig) -> None:
 def why_zero_advantage_rows_count(actor: ActorConfig) -> str | None:
     """Why, under these settings, a row whose advantages are all zero changes the update (its key and value);
     None: it adds nothing to the loss or the gradient, so the trainer may leave it out."""
-    mode = value_of(actor.policy_loss.loss_mode)
+    mode = actor.policy_loss.loss_mode
     reason = loss_facts(mode).zero_advantage_rows_count
     if reason:
         return f"actor.policy_loss.loss_mode={mode}: {reason}"
@@ -239,12 +239,12 @@ def _verl_actor_config(actor: ActorConfig, response_length: int):
         clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
         clip_ratio_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
         clip_ratio_c=actor.clip_ratio_c,
-        loss_agg_mode=value_of(actor.loss_agg_mode),
+        loss_agg_mode=actor.loss_agg_mode,
         loss_scale_factor=actor.loss_scale_factor or response_length,
         tau_pos=actor.tau_pos,
         tau_neg=actor.tau_neg,
         policy_loss=PolicyLossConfig(
-            loss_mode=value_of(p.loss_mode),
+            loss_mode=p.loss_mode,
             clip_cov_ratio=p.clip_cov_ratio,
             clip_cov_lb=p.clip_cov_lb,
             clip_cov_ub=p.clip_cov_ub,
@@ -289,8 +289,8 @@ class PolicyLoss:
     def __init__(self, actor: ActorConfig, response_length: int):
         validate_policy_loss(actor)
         self.actor = actor
-        self.mode = value_of(actor.policy_loss.loss_mode)
-        self.agg_mode = value_of(actor.loss_agg_mode)
+        self.mode = actor.policy_loss.loss_mode
+        self.agg_mode = actor.loss_agg_mode
         self.verl_cfg = _verl_actor_config(actor, response_length)
         self.facts = loss_facts(self.mode)
         self.loss_fn = policy_loss_fn(self.mode)  # in a trainer rank: a plug-in is registered here, at its start
@@ -344,9 +344,9 @@ class PolicyLoss:
 
 def rollout_is_level(actor: ActorConfig, async_mode: bool) -> str | None:
     """The importance weights the trainer applies: token, sequence, or None (bypass_mode computes its own)."""
-    if value_of(actor.policy_loss.loss_mode) == "bypass_mode":
+    if actor.policy_loss.loss_mode == "bypass_mode":
         return None
-    level = value_of(actor.rollout_is)
+    level = actor.rollout_is
     if level == "auto":
         return "token" if async_mode else None
     return None if level == "off" else level

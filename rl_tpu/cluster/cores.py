@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def engine_threads(cfg: RunConfig) -> int:
 
 def should_pin(cfg: RunConfig, kind: str, one_host: bool) -> bool:
     """`pin_cores=auto` pins on a one-host CPU run in async mode, where trainer and engines run at once."""
-    mode = value_of(cfg.pin_cores)
+    mode = cfg.pin_cores
     if mode == "auto":
         return kind == "cpu" and one_host and cfg.trainer.is_async
     return mode == "on" and kind == "cpu"

@@ -13,8 +13,6 @@ from typing import Any, ContextManager
 
 import torch
 
-from rl_tpu.config import value_of
-
 _BACKENDS = {
     # kind: (distributed backend, torch.compile backend)
     "cpu": ("gloo", "inductor"),
@@ -38,7 +36,6 @@ class Device:
     @classmethod
     def resolve(cls, requested: str, local_index: int = 0) -> "Device":
         """`auto` picks the accelerator that is present, else the CPU; a named kind must be present."""
-        requested = value_of(requested)
         if requested not in ("auto", *_BACKENDS):
             raise ValueError(f"device={requested!r}: allowed values are auto, {', '.join(_BACKENDS)}")
         present = _accelerator_kind()

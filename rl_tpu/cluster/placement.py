@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from rl_tpu.config import RayConfig, RunConfig, value_of
+from rl_tpu.config import RayConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ def describe(resources: dict[str, float]) -> str:
 
 def device_kind(requested: str, cluster: dict[str, float]) -> str:
     """The device the actors use: `auto` takes the cluster's accelerators (GPU, then TPU), else the CPU."""
-    requested = value_of(requested)
     if requested == "auto":
         return next((kind for kind, res in ACCELERATOR_RESOURCE.items() if cluster.get(res, 0) > 0), "cpu")
     resource = ACCELERATOR_RESOURCE.get(requested)
@@ -93,7 +92,7 @@ def make_plan(cfg: RunConfig, kind: str, cluster: dict[str, float], accelerator:
     accelerator = accelerator or ACCELERATOR_RESOURCE.get(kind)
     ranks, engines, engine_devices = cfg.trainer.world_size, cfg.sampler.num_engines, cfg.sampler.tensor_parallel_size
     trainer_cpus, engine_cpus = float(cfg.trainer.threads_per_rank), float(cfg.sampler.num_cpus)
-    layout, why = value_of(cfg.placement), "asked for"
+    layout, why = cfg.placement, "asked for"
     labels = {"trainer_labels": dict(cfg.trainer.node_labels), "sampler_labels": dict(cfg.sampler.node_labels)}
     if layout == "auto":
         layout, why = _choose_layout(
@@ -138,8 +137,8 @@ def check_request(cfg: RunConfig) -> None:
             f"ray.placement_timeout_s={r.placement_timeout_s}, ray.start_timeout_s={r.start_timeout_s} "
             f"and ray.call_timeout_s={r.call_timeout_s} must be > 0"
         )
-    if value_of(cfg.placement) == "colocated":
-        check_colocated(cfg, value_of(cfg.device))
+    if cfg.placement == "colocated":
+        check_colocated(cfg, cfg.device)
 
 
 def check_colocated(cfg: RunConfig, kind: str) -> None:

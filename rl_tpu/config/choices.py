@@ -1,45 +1,44 @@
-"""The choices of the config's enum keys (Hydra lists them when a value is not one), and `value_of`."""
+"""The choices of the config's enum keys (Hydra lists them when a value is not one).
+
+Each is a `StrEnum`: a member is its value as a string (compared, formatted, or handed to vLLM and verl as one), so
+code reads a setting as the string it names; a program may also set a plain string.
+"""
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-def value_of(setting: "Enum | str") -> str:
-    """The plain string of an enum setting (structured configs give enums, plain callers strings)."""
-    return setting.value if isinstance(setting, Enum) else setting
-
-
-class DeviceKind(str, Enum):
+class DeviceKind(StrEnum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
     tpu = "tpu"
 
 
-class Layout(str, Enum):
+class Layout(StrEnum):
     auto = "auto"  # disaggregated when the devices can hold trainer and engines apart, else colocated
     colocated = "colocated"  # engines share the trainer ranks' devices (on CUDA they sleep while it trains)
     disaggregated = "disaggregated"  # engines on devices of their own
 
 
-class PinCores(str, Enum):
+class PinCores(StrEnum):
     auto = "auto"  # pinned on a one-host CPU run in async mode (trainer and engines compute at once)
     on = "on"  # pinned on every CPU node
     off = "off"  # the OS schedules every actor's threads anywhere
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
 
 
-class ResumeMode(str, Enum):
+class ResumeMode(StrEnum):
     off = "off"  # start at step 0 (or at trainer.resume_from)
     auto = "auto"  # continue from the run folder's newest complete checkpoint, if it has one
 
 
-class Tracker(str, Enum):
+class Tracker(StrEnum):
     console = "console"  # the progress bar
     jsonl = "jsonl"  # metrics.jsonl: always written (resume and the reports read it)
     tensorboard = "tensorboard"
@@ -51,7 +50,7 @@ class Tracker(str, Enum):
 
 
 # verl's names, dashes and all: OmegaConf looks enum values up by member name, so the names are verl's strings
-LossAggMode = Enum(
+LossAggMode = StrEnum(
     "LossAggMode",
     {
         mode: mode
@@ -63,16 +62,15 @@ LossAggMode = Enum(
             "seq-mean-token-sum-norm",  # Dr. GRPO: token sums over a constant length
         )
     },
-    type=str,
 )
 
 
-class OldLogprobSource(str, Enum):
+class OldLogprobSource(StrEnum):
     trainer = "trainer"  # recomputed by the trainer before the first update (verl's default)
     sampler = "sampler"  # the sampler's own logprobs (no extra forward; the ratio also holds the mismatch)
 
 
-class RolloutIS(str, Enum):
+class RolloutIS(StrEnum):
     auto = "auto"  # token-level in async mode, off in the synchronous loop
     token = "token"  # per-token truncated importance weights (TIS)
     sequence = "sequence"  # one weight per sequence: the product of its token ratios, truncated

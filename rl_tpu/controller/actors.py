@@ -1,9 +1,9 @@
 """The actors of a run: placed, started, checked, and called with deadlines.
 
-`start_workers` plans and reserves the placement (rl_tpu/cluster/placement.py), starts the trainer
+`start_actors` plans and reserves the placement (rl_tpu/cluster/placement.py), starts the trainer
 ranks (rendezvous at rank 0's node) and the engines in their bundles, and checks what a run on
 several hosts needs before the first step: transports that can reach, a run folder that every
-rank sees. `Workers` is what the controller's loop calls; every call waits with a deadline
+rank sees. `ActorHandles` is what the controller's loop calls; every call waits with a deadline
 and names the actor that failed.
 """
 
@@ -23,13 +23,14 @@ from rl_tpu.cluster import cores as cpu_binding
 from rl_tpu.cluster import placement, rendezvous
 from rl_tpu.cluster.actor_logs import actor_name
 from rl_tpu.cluster.calls import ActorError, gather
-from rl_tpu.config import RunConfig, TrainerConfig, value_of
+from rl_tpu.config import RunConfig, TrainerConfig
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeOptions
 from rl_tpu.episodes.tools import ToolSettings
 from rl_tpu.records import TrainBatch, WeightBundle
 from rl_tpu.sampler.adapters import AdapterServing
 from rl_tpu.sampler.engine import EngineOptions, launch_sampler
-from rl_tpu.sampler.pool import EngineRecovery, SamplerPool
+from rl_tpu.sampler.pool import SamplerPool
+from rl_tpu.sampler.restarts import EngineRecovery
 from rl_tpu.sync.base import Placed
 from rl_tpu.sync.registry import transport_class
 from rl_tpu.trainer.worker import TrainerWorker
@@ -41,7 +42,7 @@ GPU_MEMORY_OWN_DEVICE, GPU_MEMORY_COLOCATED = 0.85, 0.4
 
 
 @dataclass
-class Workers:
+class ActorHandles:
     trainers: list  # Ray actor handles of TrainerWorker, rank order
     samplers: SamplerPool
     reservation: placement.Reservation
@@ -54,7 +55,7 @@ class Workers:
     def trainer_names(self) -> list[str]:
         return [actor_name("trainer", rank) for rank in range(len(self.trainers))]
 
-    def actors(self) -> list[tuple[str, object]]:
+    def named(self) -> list[tuple[str, object]]:
         """(name, handle) of every trainer rank, then every engine."""
         return [*zip(self.trainer_names, self.trainers), *zip(self.samplers.names, self.samplers.engines)]
 
@@ -97,7 +98,7 @@ class Workers:
             self.samplers.call("sleep", "putting the engines to sleep", self.cfg.ray.call_timeout_s)
 
     def locations(self) -> list[dict]:
-        calls = [(name, actor.where.remote()) for name, actor in self.actors()]
+        calls = [(name, actor.where.remote()) for name, actor in self.named()]
         return gather(calls, "reporting locations", self.cfg.ray.start_timeout_s, self.log_dir)
 
     def shutdown(self) -> None:
@@ -121,44 +122,46 @@ class Workers:
             self.core_leases.release()
 
 
-def start_workers(
+def start_actors(
     cfg: RunConfig, model_path: Path, run_dir: Path, kind: str, plan: placement.Plan | None = None
-) -> Workers:
+) -> ActorHandles:
     """Place and start the trainer ranks and engines on device `kind`; the run folder gets placement.json."""
     plan = plan or placement.make_plan(cfg, kind, ray.cluster_resources())
     log.info("placement: %s; %s", plan.summary(), plan.why)
     reservation = placement.reserve(plan, cfg.ray.placement_timeout_s)
     log_dir = str(run_dir / "logs")
-    workers = Workers([], SamplerPool([], log_dir), reservation, cfg, log_dir)
+    actors = ActorHandles([], SamplerPool([], log_dir), reservation, cfg, log_dir)
     if restarts_in_place(cfg):
-        workers.samplers.recovery = EngineRecovery(workers.publish, cfg.sampler.max_restarts, cfg.ray.start_timeout_s)
+        actors.samplers.restarts.recovery = EngineRecovery(
+            actors.publish, cfg.sampler.max_restarts, cfg.ray.start_timeout_s
+        )
     try:
         check_transport_reach(cfg, reservation)
         actor_cfg = dataclasses.replace(cfg, device=kind)  # resolved again on each actor's node
-        workers.core_leases = cpu_binding.CoreLeases(ray.get_runtime_context().get_node_id())
-        trainer_cores, engine_cores = bind_cores(cfg, kind, reservation, workers.core_leases)
-        _start_engines(workers, actor_cfg, model_path, log_dir, engine_cores)
+        actors.core_leases = cpu_binding.CoreLeases(ray.get_runtime_context().get_node_id())
+        trainer_cores, engine_cores = bind_cores(cfg, kind, reservation, actors.core_leases)
+        _start_engines(actors, actor_cfg, model_path, log_dir, engine_cores)
         if plan.engines_sleep:  # colocated: each engine sizes its KV cache by the device memory free at its start
-            wait_ready(workers, workers.samplers.names, cfg.ray.start_timeout_s)
-        _start_trainers(workers, actor_cfg, model_path, log_dir, trainer_cores)
+            wait_ready(actors, actors.samplers.names, cfg.ray.start_timeout_s)
+        _start_trainers(actors, actor_cfg, model_path, log_dir, trainer_cores)
         # start-up errors (a bad model folder, a missing device) surface here, named, not at the first step
-        wait_ready(workers, [name for name, _ in workers.actors()], cfg.ray.start_timeout_s)
+        wait_ready(actors, [name for name, _ in actors.named()], cfg.ray.start_timeout_s)
         if transport_class(cfg.sync.transport).handshake:
             what = f"the sync.transport={cfg.sync.transport} handshake"
-            workers.on_trainers("handshake", what, workers.samplers.engines, timeout_s=cfg.ray.start_timeout_s)
-        check_shared_run_dir(workers, run_dir)
-        write_placement(workers, run_dir)
+            actors.on_trainers("handshake", what, actors.samplers.engines, timeout_s=cfg.ray.start_timeout_s)
+        check_shared_run_dir(actors, run_dir)
+        write_placement(actors, run_dir)
     except BaseException:
-        workers.shutdown()
+        actors.shutdown()
         raise
-    return workers
+    return actors
 
 
-def wait_ready(workers: Workers, names: list[str], timeout_s: float) -> None:
+def wait_ready(actors: ActorHandles, names: list[str], timeout_s: float) -> None:
     """Until the named actors have started (their constructors returned), with a deadline naming who failed."""
-    actors = dict(workers.actors())
-    calls = [(name, actors[name].__ray_ready__.remote()) for name in names]
-    gather(calls, "starting the actors", timeout_s, workers.log_dir)
+    handles = dict(actors.named())
+    calls = [(name, handles[name].__ray_ready__.remote()) for name in names]
+    gather(calls, "starting the actors", timeout_s, actors.log_dir)
 
 
 def bind_cores(
@@ -179,16 +182,16 @@ def bind_cores(
     return cpu_binding.bind(cfg, trainer_nodes, engine_nodes, pin, node_cores, folder, leases.take)
 
 
-def _start_trainers(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
-    reservation = workers.reservation
-    store = workers.rendezvous = rendezvous.RendezvousStore(cfg.trainer.world_size, cfg.ray.start_timeout_s)
+def _start_trainers(actors: ActorHandles, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
+    reservation = actors.reservation
+    store = actors.rendezvous = rendezvous.RendezvousStore(cfg.trainer.world_size, cfg.ray.start_timeout_s)
     trainer_cls = ray.remote(TrainerWorker)
     env = {**trainer_env(cfg.trainer, model_path), **rendezvous.AGENT_STORE_ENV}
-    if value_of(cfg.device) == "cuda":
+    if cfg.device == "cuda":
         env.update(rendezvous.ALL_GPUS_VISIBLE_ENV)
     for rank, binding in enumerate(bindings):
         options = reservation.trainer_options(rank)
-        workers.trainers.append(
+        actors.trainers.append(
             trainer_cls.options(**options, runtime_env={"env_vars": env}).remote(
                 cfg, str(model_path), rank, cfg.trainer.world_size, store.host, store.port, log_dir, binding
             )
@@ -247,11 +250,11 @@ def adapter_serving(cfg: RunConfig) -> AdapterServing | None:
     return AdapterServing(cfg.actor.lora.engine_max_rank, cfg.trainer.max_staleness + 1)
 
 
-def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
-    plan, s = workers.reservation.plan, cfg.sampler
+def _start_engines(actors: ActorHandles, cfg: RunConfig, model_path: Path, log_dir: str, bindings: list) -> None:
+    plan, s = actors.reservation.plan, cfg.sampler
     memory = s.gpu_memory_utilization or (GPU_MEMORY_COLOCATED if plan.layout == "colocated" else GPU_MEMORY_OWN_DEVICE)
     max_len = cfg.data.max_prompt_length + cfg.completion_tokens
-    restarts = s.max_restarts if workers.samplers.recovery else 0
+    restarts = s.max_restarts if actors.samplers.restarts.recovery else 0
     for engine, binding in enumerate(bindings):
         options = EngineOptions(
             engine,
@@ -266,11 +269,11 @@ def _start_engines(workers: Workers, cfg: RunConfig, model_path: Path, log_dir: 
             cfg.sync.transport,
             cfg.sampler.tensor_parallel_size,
         )
-        ray_options = {**workers.reservation.sampler_options(engine), "max_restarts": restarts}
-        workers.samplers.engines.append(
+        ray_options = {**actors.reservation.sampler_options(engine), "max_restarts": restarts}
+        actors.samplers.engines.append(
             launch_sampler(
                 str(model_path),
-                value_of(cfg.model.dtype),
+                cfg.model.dtype,
                 max_len,
                 s.kv_cache_gb,
                 s.seed + engine,
@@ -296,18 +299,18 @@ def check_transport_reach(cfg: RunConfig, reservation: placement.Reservation) ->
         raise placement.PlacementError(why)
 
 
-def check_shared_run_dir(workers: Workers, run_dir: Path) -> None:
+def check_shared_run_dir(actors: ActorHandles, run_dir: Path) -> None:
     """Checkpoints, the export and actor logs go to the run folder: a marker rank 0 writes must be seen by all."""
     marker = run_dir / f".shared-check-{uuid.uuid4().hex[:8]}"
     gather(
-        [(workers.trainer_names[0], workers.trainers[0].touch.remote(str(marker)))],
+        [(actors.trainer_names[0], actors.trainers[0].touch.remote(str(marker)))],
         "writing the shared-storage marker",
         60,
-        workers.log_dir,
+        actors.log_dir,
     )
     try:
-        seen = workers.on_trainers("sees", "checking the shared-storage marker", str(marker), timeout_s=60)
-        blind = [name for name, ok in zip(workers.trainer_names, seen) if not ok] + (
+        seen = actors.on_trainers("sees", "checking the shared-storage marker", str(marker), timeout_s=60)
+        blind = [name for name, ok in zip(actors.trainer_names, seen) if not ok] + (
             [] if marker.exists() else ["the driver"]
         )
     finally:
@@ -321,10 +324,10 @@ def check_shared_run_dir(workers: Workers, run_dir: Path) -> None:
         )
 
 
-def write_placement(workers: Workers, run_dir: Path) -> None:
+def write_placement(actors: ActorHandles, run_dir: Path) -> None:
     """placement.json: the plan and where each actor runs, as the actors themselves report it."""
-    plan = workers.reservation.plan
-    record = {"layout": plan.layout, "why": plan.why, "plan": dataclasses.asdict(plan), "actors": workers.locations()}
+    plan = actors.reservation.plan
+    record = {"layout": plan.layout, "why": plan.why, "plan": dataclasses.asdict(plan), "actors": actors.locations()}
     (run_dir / "placement.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     for actor in record["actors"]:
         log.info("%s on node %s (%s), pid %s", actor["actor"], actor["node_id"][:12], actor["node_ip"], actor["pid"])

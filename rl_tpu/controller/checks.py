@@ -9,7 +9,7 @@ from rl_tpu.algorithms import kl_reward, learning_signal, registry
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.cores import engine_threads
 from rl_tpu.cluster.device import Device
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig
 from rl_tpu.grader.grader import reward_sources
 from rl_tpu.models.safe_checkpoint import check_metadata
 from rl_tpu.outputs import checkpoints
@@ -41,7 +41,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.sampler.tensor_parallel_size > 1:
         check_tensor_parallel(cfg, transport)
     placement.check_request(cfg)
-    if cfg.ray.address is None and value_of(cfg.device) in ("cuda", "tpu"):
+    if cfg.ray.address is None and cfg.device in ("cuda", "tpu"):
         Device.resolve(cfg.device)  # a local cluster is this host: a missing accelerator fails now, not after Ray
 
 
@@ -49,7 +49,7 @@ def check_tensor_parallel(cfg: RunConfig, transport: type[Transport]) -> None:
     """An engine over several devices (`sampler.tensor_parallel_size`) receives full weights through the host
     (`Transport.through_host`): the device transports address one receiving process per engine, and adapters and
     the TPU engine were not tried."""
-    size, device = cfg.sampler.tensor_parallel_size, value_of(cfg.device)
+    size, device = cfg.sampler.tensor_parallel_size, cfg.device
     key = f"sampler.tensor_parallel_size={size}"
     if not transport.through_host:
         allowed = ", ".join(host_transports())

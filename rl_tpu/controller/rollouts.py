@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.config import RunConfig
-from rl_tpu.controller.actors import Workers
+from rl_tpu.controller.actors import ActorHandles
 from rl_tpu.controller.phases import Phases
 from rl_tpu.data.datasets import Example, derived_seed
 from rl_tpu.grader.grader import Grader, Grades, Grading, Sample
@@ -64,12 +64,12 @@ def sampling_seed(seed: int, batch: int, prompt: int) -> int:
     return derived_seed(seed, batch, prompt)
 
 
-def generate_batch(workers: Workers, prompts: list[Example], cfg: RunConfig, batch: int) -> PendingRollouts:
+def generate_batch(actors: ActorHandles, prompts: list[Example], cfg: RunConfig, batch: int) -> PendingRollouts:
     s = cfg.sampler
     settings = SamplingSettings(s.n, s.temperature, s.top_p, s.top_k, s.response_length)
     seeds = [sampling_seed(s.seed, batch, i) for i in range(len(prompts))]
     tools_kwargs = [p.tools_kwargs for p in prompts] if cfg.episode.enable else None
-    return workers.samplers.generate([p.prompt_ids for p in prompts], settings, seeds, tools_kwargs)
+    return actors.samplers.generate([p.prompt_ids for p in prompts], settings, seeds, tools_kwargs)
 
 
 def grade(rollouts: list[Rollout], prompts: list[Example], tokenizer, grader: Grader) -> Grading:
@@ -184,7 +184,7 @@ class RolloutQueue:
 
     def __init__(
         self,
-        workers: Workers,
+        actors: ActorHandles,
         prompt_batches: Iterator[list[Example]],
         cfg: RunConfig,
         taken: int,
@@ -192,7 +192,7 @@ class RolloutQueue:
     ):
         """`taken`: generation batches the steps before this one used (the prompt stream is past them);
         `generated`: the batches queued after them, already generated (from the checkpoint resumed)."""
-        self.workers, self.prompt_batches, self.cfg = workers, prompt_batches, cfg
+        self.actors, self.prompt_batches, self.cfg = actors, prompt_batches, cfg
         self.pending: deque[tuple[list[Example], PendingRollouts | GeneratedRollouts]] = deque()
         self.taken = taken
         for batch in generated:  # their prompts are the stream's next ones, as when they were queued
@@ -214,7 +214,7 @@ class RolloutQueue:
     def _queue_one(self) -> None:
         number = self.taken + len(self.pending) + 1  # the batches taken, then those waiting, come before it
         prompts = next(self.prompt_batches)
-        self.pending.append((prompts, generate_batch(self.workers, prompts, self.cfg, number)))
+        self.pending.append((prompts, generate_batch(self.actors, prompts, self.cfg, number)))
 
     def fill_after(self, step: int) -> None:
         """With `step` trained and its weights in the sampler, keep `max_staleness + 1` batches queued (fewer near

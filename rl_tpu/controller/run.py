@@ -27,9 +27,9 @@ from omegaconf import OmegaConf
 from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.placement import start_ray
-from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
+from rl_tpu.config import RunConfig, Tracker, cache_path
 from rl_tpu.controller import evaluation, memory_plan
-from rl_tpu.controller.actors import Workers, start_workers, tool_settings
+from rl_tpu.controller.actors import ActorHandles, start_actors, tool_settings
 from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resume_files, check_resumed_settings, validate
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
 from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue, dump_rows
@@ -94,19 +94,19 @@ class Job:
     replay_queued: bool = True
 
 
-def save_checkpoint(job: Job, workers: Workers, step: int, queue: RolloutQueue, signal: LearningSignal) -> Path:
+def save_checkpoint(job: Job, actors: ActorHandles, step: int, queue: RolloutQueue, signal: LearningSignal) -> Path:
     folder = checkpoints.folder_for(job.run_dir, step)
     checkpoints.check_room(job.run_dir)  # a full disk named as such, before anything is written
     # the batches queued ahead, generated: a resumed run trains on them as this one will (async: older weights)
     queued = [batch.to_dict() for batch in queue.generated_ahead(job.cfg.ray.call_timeout_s)]
     # the driver's part goes inside before the folder is complete: a checkpoint is whole or is not one
     driver = checkpoints.driver_files(queue.taken, signal.kl_coef, job.settings, queued)
-    workers.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder), driver)
+    actors.on_trainers("save_checkpoint", f"saving checkpoint {folder}", str(folder), driver)
     checkpoints.prune(job.run_dir, job.cfg.trainer.keep_last)
     return folder
 
 
-def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, Path | None]:
+def resume(job: Job, actors: ActorHandles, restarted: bool) -> tuple[int, Path | None]:
     """Load the trainer state and give the sampler the same weights; returns the step to continue after, and
     the checkpoint of that step (None: the run starts).
 
@@ -114,23 +114,25 @@ def resume(job: Job, workers: Workers, restarted: bool) -> tuple[int, Path | Non
     starts a new folder from another run's checkpoint.
     """
     t = job.cfg.trainer
-    checkpoint = checkpoints.resume_point(job.run_dir, restarted or value_of(t.resume) == "auto", t.resume_from)
+    checkpoint = checkpoints.resume_point(job.run_dir, restarted or t.resume == "auto", t.resume_from)
     if checkpoint is None:
         job.logger.truncate_after(None)
         return 0, None
     step = checkpoints.step_of(checkpoint)
-    workers.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
-    workers.install(workers.publish(step))
+    actors.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
+    actors.install(actors.publish(step))
     job.logger.truncate_after(step if checkpoints.in_folder(checkpoint, job.run_dir) else None)
     log.info("resumed from %s at step %d", checkpoint, step)
     return step, checkpoint
 
 
-def stop_early(job: Job, workers: Workers, step: int, saved: int, queue: RolloutQueue, signal: LearningSignal) -> None:
+def stop_early(
+    job: Job, actors: ActorHandles, step: int, saved: int, queue: RolloutQueue, signal: LearningSignal
+) -> None:
     """A signal asked the run to stop: save after `step` unless that is saved already, and stop."""
     checkpoint = checkpoints.folder_for(job.run_dir, saved) if saved else None
     if step > saved:
-        checkpoint = save_checkpoint(job, workers, step, queue, signal)
+        checkpoint = save_checkpoint(job, actors, step, queue, signal)
     raise RunInterrupted(step, job.stop.requested, checkpoint)
 
 
@@ -139,13 +141,13 @@ def train(job: Job, restarted: bool) -> None:
     cfg, logger = job.cfg, job.logger
     total, timeout = cfg.trainer.total_steps, cfg.ray.call_timeout_s
     checkpoint_every = checkpoints.every(cfg.trainer.checkpoint_every, total)
-    workers = start_workers(cfg, job.model_path, job.run_dir, job.kind)
+    actors = start_actors(cfg, job.model_path, job.run_dir, job.kind)
     try:
-        start_step, checkpoint = resume(job, workers, restarted)
+        start_step, checkpoint = resume(job, actors, restarted)
         taken = checkpoints.data_position(checkpoint) if checkpoint else 0
         signal = LearningSignal(cfg, checkpoints.kl_coef(checkpoint) if cfg.algorithm.use_kl_in_reward else None)
         if not logger.records:  # a run continuing its own folder has its evaluation at start_step already
-            first = evaluation.start_eval(workers.samplers, job.eval_examples, cfg, with_samples=True)
+            first = evaluation.start_eval(actors.samplers, job.eval_examples, cfg, with_samples=True)
             logger.log(
                 start_step, {**first.finish(job.tokenizer, job.grader, timeout), "sync/version": float(start_step)}
             )
@@ -154,35 +156,35 @@ def train(job: Job, restarted: bool) -> None:
         for _ in range(taken):  # the same batches a run that never stopped would see next
             next(prompt_batches)
         generated = [] if checkpoint is None or not job.replay_queued else checkpoints.queued_generations(checkpoint)
-        queue = RolloutQueue(workers, prompt_batches, cfg, taken, [GeneratedRollouts.from_dict(b) for b in generated])
+        queue = RolloutQueue(actors, prompt_batches, cfg, taken, [GeneratedRollouts.from_dict(b) for b in generated])
         guard, saved = SkippedStepGuard(cfg.trainer.max_skipped_steps), start_step
         for step in range(start_step + 1, total + 1):
             if job.stop.requested:
-                stop_early(job, workers, step - 1, saved, queue, signal)
-            metrics, trained = grpo_step(step, queue, workers, job.tokenizer, job.grader, cfg, signal)
+                stop_early(job, actors, step - 1, saved, queue, signal)
+            metrics, trained = grpo_step(step, queue, actors, job.tokenizer, job.grader, cfg, signal)
             guard.observe(step, metrics, trained.prompts)
             if cfg.trainer.rollout_data_dir:
                 rollout_log.write_step(cfg.trainer.rollout_data_dir, step, dump_rows(trained, job.tokenizer))
             pending_eval = None
             if step % cfg.trainer.eval_every == 0 or step == total:
-                pending_eval = evaluation.start_eval(workers.samplers, job.eval_examples, cfg, step == total)
+                pending_eval = evaluation.start_eval(actors.samplers, job.eval_examples, cfg, step == total)
             queue.fill_after(step)  # behind the evaluation on the sampler: this step's weights or older
             if pending_eval is not None:
                 metrics.update(pending_eval.finish(job.tokenizer, job.grader, timeout))
             logger.log(step, metrics)
             if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
-                save_checkpoint(job, workers, step, queue, signal)
+                save_checkpoint(job, actors, step, queue, signal)
                 saved = step
-        workers.samplers.finish_install()  # async: the last step's (its evaluation waited for it already)
+        actors.samplers.finish_install()  # async: the last step's (its evaluation waited for it already)
         if cfg.trainer.export:
-            workers.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
+            actors.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
             adapter = cfg.lora_sync is not None  # the export is the adapter, in fp32 (its master weights)
-            dtype = "float32" if adapter else value_of(cfg.model.dtype)
+            dtype = "float32" if adapter else cfg.model.dtype
             write_model_card(job.run_dir / "export", job.run_dir, dtype, adapter=adapter)
             if cfg.trainer.push_to_hub:
                 push_to_hub(job.run_dir / "export", cfg.trainer.push_to_hub, public=cfg.export.public)
     finally:
-        workers.shutdown()
+        actors.shutdown()
 
 
 def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]) -> None:
@@ -192,7 +194,7 @@ def check_inputs(cfg: RunConfig, model_path: Path, train_examples: list[Example]
             f"data.train_batch_size={cfg.data.train_batch_size} is larger than the "
             f"{len(train_examples)} usable prompts of {training_data(cfg)}"
         )
-    check_decoder(model_path, cfg.model.fp32_residual and value_of(cfg.model.dtype) != "float32")
+    check_decoder(model_path, cfg.model.fp32_residual and cfg.model.dtype != "float32")
     check_context(model_path, cfg.data.max_prompt_length, cfg.completion_tokens, cfg.completion_keys)
 
 
@@ -239,7 +241,7 @@ def run(
     started = time.monotonic()
     validate(cfg)
     settings = OmegaConf.to_yaml(OmegaConf.structured(cfg))  # as given: before anything is derived from them
-    resuming = checkpoints.resume_point(run_dir, value_of(cfg.trainer.resume) == "auto", cfg.trainer.resume_from)
+    resuming = checkpoints.resume_point(run_dir, cfg.trainer.resume == "auto", cfg.trainer.resume_from)
     changed = {}
     if resuming is not None:
         own = checkpoints.in_folder(resuming, run_dir)
@@ -270,7 +272,7 @@ def run(
         start_ray(cfg.ray, bundle_bytes(model_path, cfg.model.torch_dtype))
         kind = placement.device_kind(cfg.device, ray.cluster_resources())
         transport_class(cfg.sync.transport).check_device(cfg, kind)
-        if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
+        if kind == "cpu" and (why := precision.slow_bf16_warning(cfg.model.dtype)):
             log.warning(why)
         if cfg.actor.lora.enabled:  # the actors get the resolved device, from which `lora_sync` decides the same
             sends = LORA_SENDS[dataclasses.replace(cfg, device=kind).lora_sync]

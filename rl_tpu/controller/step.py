@@ -6,7 +6,7 @@ import statistics
 
 from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.config import RunConfig
-from rl_tpu.controller.actors import Workers
+from rl_tpu.controller.actors import ActorHandles
 from rl_tpu.controller.phases import Phases
 from rl_tpu.controller.rollouts import GradedBatch, RolloutQueue, StepRollouts, collect, episode_metrics
 from rl_tpu.grader.grader import Grader
@@ -16,7 +16,7 @@ from rl_tpu.records import WeightBundle
 def grpo_step(
     step: int,
     queue: RolloutQueue,
-    workers: Workers,
+    actors: ActorHandles,
     tokenizer,
     grader: Grader,
     cfg: RunConfig,
@@ -27,15 +27,15 @@ def grpo_step(
     phases = Phases()
     sampled = collect(step, queue, tokenizer, grader, signal, phases)  # phases generate and grade
     with phases("score"):
-        workers.release_devices()
-        batch, kl_metrics = signal.train_batch(sampled.batch, workers.token_kl)
+        actors.release_devices()
+        batch, kl_metrics = signal.train_batch(sampled.batch, actors.token_kl)
     with phases("train"):
-        train = workers.train(batch)
+        train = actors.train(batch)
     with phases("publish"):
-        bundle = workers.publish(step)
+        bundle = actors.publish(step)
     with phases("install"):
         # async: the engines install while the trainer goes on to the next step, which reports this install's figures
-        received = workers.install(bundle, wait=not cfg.trainer.is_async)
+        received = actors.install(bundle, wait=not cfg.trainer.is_async)
     timings = time_metrics(phases, train, sum(len(r.completion_ids) for r in sampled.generated.rollouts))
     return {
         **rollout_metrics(step, sampled),

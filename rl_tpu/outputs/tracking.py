@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def for_run(cfg: RunConfig, run_dir: Path) -> "Trackers":
     t = cfg.trainer
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
     return Trackers(
-        [value_of(name) for name in t.logger],
+        list(t.logger),
         run_dir,
         t.project_name,
         t.experiment_name or f"{run_dir.parent.name}/{run_dir.name}",

@@ -1,5 +1,5 @@
 """The sampler: vLLM engines as Ray actors that make rollouts and take in weight bundles (`engine`),
-and several engines serving as one, restarted in place when one is lost (`pool`), and an engine's memory
+several engines serving as one (`pool`), a lost one restarted in place (`restarts`), and an engine's memory
 estimate of itself for the memory plan (`memory`).
 
 Never imports the trainer, the grader, the outputs or the controller; may import episodes, cluster, models, sync,

@@ -316,7 +316,7 @@ class Sampler:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong.
 
         `resent`: the pool sends it again after losing the engine; one brought back with this version already
-        (`SamplerPool.bring_back`) reports instead of refusing it. earlier: the generations sent to this engine
+        (`EngineRestarts.bring_back`) reports instead of refusing it. earlier: the generations sent to this engine
         before the install (ObjectRefs), which end before it loads."""
         with self.activity:  # receiving and verifying use the engine's cores too
             start = time.perf_counter()

@@ -4,7 +4,7 @@ each phase, from the config, the model's shape and the share of its device vLLM 
 from __future__ import annotations
 
 from rl_tpu.cluster.memory_items import CPU_PROCESS, DEVICE_PROCESS, GiB, Item, checksum_item, served_bytes, slack
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig
 from rl_tpu.models.shape import ModelShape
 from rl_tpu.sampler.engine import CPU_KV_CACHE_GB
 from rl_tpu.sync.registry import transport_class
@@ -18,7 +18,7 @@ def phases(cfg: RunConfig, shape: ModelShape, kind: str, capacity: int | None, s
     s, dtype = cfg.sampler, cfg.model.torch_dtype
     process = Item("process: vLLM", CPU_PROCESS["engine"] if kind == "cpu" else DEVICE_PROCESS)
     weights = dtype.itemsize * shape.parameters
-    what = f"weights, {value_of(cfg.model.dtype)}"
+    what = f"weights, {cfg.model.dtype}"
     if kind == "cpu" and shape.tied:  # vLLM's CPU backend packs a tied head into storage of its own
         weights, what = weights + dtype.itemsize * shape.embedding, f"{what}, and the tied head's own copy"
     if s.tensor_parallel_size > 1:
@@ -35,7 +35,7 @@ def phases(cfg: RunConfig, shape: ModelShape, kind: str, capacity: int | None, s
         loaded = dtype.itemsize * shape.parameters // tp
         phases["loading"] = [
             process,
-            Item(f"weights, {value_of(cfg.model.dtype)}, as loaded", loaded, ("model.dtype",)),
+            Item(f"weights, {cfg.model.dtype}, as loaded", loaded, ("model.dtype",)),
             Item("weight files, mapped while loading", loaded, ("model.dtype",)),
         ]
     if s.kv_cache_gb is not None or kind == "cpu":
@@ -44,7 +44,7 @@ def phases(cfg: RunConfig, shape: ModelShape, kind: str, capacity: int | None, s
         rest = max(0, int(share * capacity) - process.bytes - weights)
         keys = ("sampler.gpu_memory_utilization", "sampler.kv_cache_gb")
         items.append(Item(f"KV cache and buffers: the rest of {share:g} of the device", rest, keys))
-    if transport_class(value_of(cfg.sync.transport)).on_device:
+    if transport_class(cfg.sync.transport).on_device:
         phases["installing"] = [*items, *installing_items(cfg, shape, kind)]
     return phases
 
@@ -55,6 +55,6 @@ def installing_items(cfg: RunConfig, shape: ModelShape, kind: str) -> list[Item]
     engine copies of its own (nccl), all received before any is checked or loaded (`endpoints.unpack`)."""
     served = served_bytes(cfg, shape, kind)
     outside = [checksum_item(min(int(cfg.sync.bucket_mb * 2**20), served))]
-    if transport_class(value_of(cfg.sync.transport)).copies:
+    if transport_class(cfg.sync.transport).copies:
         outside.insert(0, Item("the bundle's buckets, as received", served, ("sync.transport",)))
     return [*outside, slack(outside)]

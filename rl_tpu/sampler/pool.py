@@ -6,25 +6,20 @@ An install reaches every engine (for the collective transport, all engines take 
 same broadcast), and every engine must report the same version afterwards.
 
 A lost engine (its process killed or crashed) is brought back in place when the pool has an
-`EngineRecovery`: Ray restarts the actor in its bundle (its `max_restarts` option), the pool
-gives it the weights the other engines serve, and sends the lost call again. A prompt carries its own seed,
-so the replacement draws the same tokens the lost engine would have: no sample is lost.
+`EngineRecovery` (rl_tpu/sampler/restarts.py), and the lost call is sent again.
 """
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import InitVar, dataclass, field
 
 from rl_tpu.cluster.actor_logs import actor_name
-from rl_tpu.cluster.calls import ActorError, gather
+from rl_tpu.cluster.calls import gather
 from rl_tpu.records import Rollout, WeightBundle
 from rl_tpu.sampler.engine import SamplingSettings
-
-log = logging.getLogger(__name__)
+from rl_tpu.sampler.restarts import EngineRecovery, EngineRestarts
 
 
 def split_evenly(count: int, parts: int) -> list[range]:
@@ -36,15 +31,6 @@ def split_evenly(count: int, parts: int) -> list[range]:
         ranges.append(range(start, start + size))
         start += size
     return [r for r in ranges if len(r)]
-
-
-@dataclass(frozen=True)
-class EngineRecovery:
-    """What bringing back a lost engine needs beside Ray's restart of its process."""
-
-    republish: Callable[[int], WeightBundle]  # the trainer's current weights, as version N
-    max_restarts: int  # per engine (Ray's `max_restarts` of the actor)
-    ready_timeout_s: float  # a restarted engine loads its model again
 
 
 @dataclass
@@ -77,13 +63,14 @@ class PendingRollouts:
         rollouts = []
         for chunk in self.chunks:
             engine = self.pool.engines[chunk.engine]
-            part = self.pool.wait(
+            part = self.pool.restarts.wait(
                 chunk.engine,
                 chunk.ref,
                 chunk.life,
                 lambda: engine.generate.remote(*chunk.args),
                 "generate",
                 deadline,
+                self.pool.version,
                 restarted=lambda part: _older(part, chunk.version),
             )
             for rollout in part:
@@ -113,22 +100,21 @@ class PendingInstall:
 class SamplerPool:
     engines: list  # Ray actor handles of `Sampler`, engine order
     log_dir: str | None = None
-    recovery: EngineRecovery | None = None  # None: a lost engine ends the call with an error
+    recovery: InitVar[EngineRecovery | None] = None  # None: a lost engine ends the call with an error
     version: int = 0  # the newest weight version sent to every engine: generations sent from now on use it
-    lives: dict[int, int] = field(default_factory=dict)  # engine -> times it was brought back
     pending: PendingInstall | None = None
     # at the last install: when it returned, and each engine's busy seconds then (for the idle time between installs)
     last_install: tuple[float, list[float]] | None = None
     # per engine: the generations sent since its last install, which the next install goes in after
     sent_since_install: dict[int, list] = field(default_factory=dict)
+    restarts: EngineRestarts = field(init=False)  # lost engines brought back in place (with `recovery`)
+
+    def __post_init__(self, recovery: EngineRecovery | None) -> None:
+        self.restarts = EngineRestarts(self.engines, self.log_dir, recovery)
 
     @property
     def names(self) -> list[str]:
         return [actor_name("sampler", i) for i in range(len(self.engines))]
-
-    @property
-    def restarts(self) -> int:
-        return sum(self.lives.values())
 
     def generate(
         self,
@@ -152,7 +138,7 @@ class SamplerPool:
             after = self.pending.sent[engine][0] if self.pending else None
             ref = self.engines[engine].generate.remote(*args, after=after)
             self.sent_since_install.setdefault(engine, []).append(ref)
-            chunks.append(Chunk(engine, part, args, ref, self.lives.get(engine, 0), self.version))
+            chunks.append(Chunk(engine, part, args, ref, self.restarts.life(engine), self.version))
         return PendingRollouts(self, chunks)
 
     def call(self, method: str, what: str, timeout_s: float, *args) -> list:
@@ -173,7 +159,7 @@ class SamplerPool:
         # each engine loads it after the generations sent before it (in a list: Ray passes them unresolved, so the
         # bundle is fetched and verified meanwhile): every batch's weights follow from the order of the calls alone
         sent = [
-            (engine.install.remote(bundle, earlier=self.sent_since_install.pop(i, [])), self.lives.get(i, 0))
+            (engine.install.remote(bundle, earlier=self.sent_since_install.pop(i, [])), self.restarts.life(i))
             for i, engine in enumerate(self.engines)
         ]
         self.pending, self.version = PendingInstall(bundle, sent, time.monotonic() + timeout_s), bundle.version
@@ -187,13 +173,14 @@ class SamplerPool:
         bundle, what = pending.bundle, f"installing weights v{pending.bundle.version}"
         # a lost engine is sent the bundle again; one brought back meanwhile (bring_back) serves it already
         received = [
-            self.wait(
+            self.restarts.wait(
                 i,
                 ref,
                 life,
                 lambda i=i: self.engines[i].install.remote(bundle, resent=True),
                 what,
                 pending.deadline,
+                self.version,
                 reinstall=False,
             )
             for i, (ref, life) in enumerate(pending.sent)
@@ -208,7 +195,7 @@ class SamplerPool:
             **received[0],
             "peak_rss_mb": max(r["peak_rss_mb"] for r in received),
             **metrics,
-            "sampler/restarts": float(self.restarts),
+            "sampler/restarts": float(self.restarts.count),
             **self._idle_since_last_install(received),
         }
 
@@ -221,78 +208,3 @@ class SamplerPool:
             return {}
         window, worked = now - last[0], statistics.fmean(b - a for a, b in zip(last[1], busy))
         return {"time/sampler_idle_s": max(0.0, window - worked)}
-
-    def wait(
-        self,
-        engine: int,
-        ref,
-        life: int,
-        send_again: Callable[[], object],
-        what: str,
-        deadline: float,
-        reinstall: bool = True,
-        restarted: Callable[[object], str | None] = lambda answer: None,
-    ):
-        """The answer of one call on `engine`; if the engine was lost, bring it back and send the call again.
-
-        `restarted(answer)` says why an answer shows that Ray restarted the engine before the call reached it.
-        """
-        while True:
-            try:
-                answer = gather([(self.names[engine], ref)], what, max(0.0, deadline - time.monotonic()), self.log_dir)[
-                    0
-                ]
-                why = restarted(answer) if self.recovery else None
-                if why is None:
-                    return answer
-            except ActorError as err:
-                if not (err.lost and self.recovery):
-                    raise
-                why = str(err).splitlines()[0]
-            self.bring_back(engine, life, why, reinstall)
-            ref, life = send_again(), self.lives[engine]
-
-    def bring_back(self, engine: int, life: int, why: str, reinstall: bool = True) -> None:
-        """Wait for Ray's restart of a lost engine and give it the served weights (once per loss)."""
-        if self.lives.get(engine, 0) != life:
-            return  # another call on the same engine already brought it back
-        name, recovery = self.names[engine], self.recovery
-        log.warning("%s was lost (%s); waiting for Ray to restart it", name, why)
-        self._until_restarted(
-            engine, f"restarting {name} (restart {life + 1} of sampler.max_restarts={recovery.max_restarts})"
-        )
-        if reinstall and self.version > 0:
-            bundle = recovery.republish(self.version)
-            gather(
-                [(name, self.engines[engine].install.remote(bundle))],
-                f"installing weights v{self.version} in the restarted {name}",
-                recovery.ready_timeout_s,
-                self.log_dir,
-            )
-        self.lives[engine] = life + 1
-        log.warning(
-            "%s restarted (restart %d of sampler.max_restarts=%d), serving weights v%d; its lost call is sent again",
-            name,
-            life + 1,
-            recovery.max_restarts,
-            self.version,
-        )
-
-    def _until_restarted(self, engine: int, what: str) -> None:
-        """Wait for the engine's constructor to finish again; raises once Ray gives up on it (restarts spent)."""
-        from ray.exceptions import ActorUnavailableError
-
-        deadline = time.monotonic() + self.recovery.ready_timeout_s
-        while True:
-            try:
-                gather(
-                    [(self.names[engine], self.engines[engine].__ray_ready__.remote())],
-                    what,
-                    max(0.0, deadline - time.monotonic()),
-                    self.log_dir,
-                )
-                return
-            except ActorError as err:  # calls made while Ray restarts the actor fail at once: ask again
-                if not isinstance(err.__cause__, ActorUnavailableError) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)

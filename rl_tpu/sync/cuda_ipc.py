@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rl_tpu.config import value_of
 from rl_tpu.records import Bucket, WeightSyncError
 from rl_tpu.sync.base import Placed, Transport
 
@@ -57,7 +56,7 @@ class CudaIpcTransport(Transport):
 
     @classmethod
     def check_config(cls, cfg: "RunConfig") -> None:
-        device = value_of(cfg.device)
+        device = cfg.device
         if cfg.sampler.num_engines != 1 or device in ("cpu", "tpu"):
             raise ValueError(
                 f"sync.transport=cuda_ipc hands GPU memory from trainer rank 0 to one engine on its GPU: it needs "

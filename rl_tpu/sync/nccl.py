@@ -53,7 +53,6 @@ from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitI
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 from vllm.utils.network_utils import get_open_port
 
-from rl_tpu.config import value_of
 from rl_tpu.records import Bucket, WeightSyncError
 from rl_tpu.sync.base import Placed, SenderSetting, Transport
 
@@ -138,7 +137,7 @@ class NcclTransport(Transport):
         placement=colocated is seen here: auto resolves when actors are placed (`check_placement`)."""
         from rl_tpu.sync.registry import CPU_TRANSPORTS
 
-        device, layout = value_of(cfg.device), value_of(cfg.placement)
+        device, layout = cfg.device, cfg.placement
         if device not in ("cpu", "tpu") and layout != "colocated":
             return
         # what works there: the host transports, and TPU Sync on TPU or, colocated on CUDA with one engine, CUDA IPC

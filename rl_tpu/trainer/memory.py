@@ -14,7 +14,7 @@ from rl_tpu.cluster.memory_items import (
     served_bytes,
     slack,
 )
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig
 from rl_tpu.models.logprobs import bucketed
 from rl_tpu.models.shape import ModelShape
 from rl_tpu.sync.registry import transport_class
@@ -70,7 +70,7 @@ def phases(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> dict[str,
     fewer = ("actor.lora.lora_rank", *shards)
     process = Item("process: torch, transformers, Ray", CPU_PROCESS["trainer"] if kind == "cpu" else DEVICE_PROCESS)
     if lora.enabled:
-        weights = [Item(f"frozen base, {value_of(cfg.model.dtype)}", size * params // ranks, shards)]
+        weights = [Item(f"frozen base, {cfg.model.dtype}", size * params // ranks, shards)]
         weights.append(Item("LoRA adapter, fp32", 4 * adapter // ranks, ("actor.lora.lora_rank",)))
     else:
         weights = [Item("fp32 master weights", 4 * params // ranks, fewer)]
@@ -87,7 +87,7 @@ def phases(cfg: RunConfig, shape: ModelShape, kind: str, rank: int) -> dict[str,
     bucket = min(int(cfg.sync.bucket_mb * 2**20), served_bytes(cfg, shape, kind))
     gather = 0 if sends_adapter(cfg, kind) else 4 * shape.largest_weight
     publishing = [*resident, Item("a bucket, and a weight gathered in fp32", bucket + gather, ("sync.bucket_mb",))]
-    if transport_class(value_of(cfg.sync.transport)).on_device and rank == 0:
+    if transport_class(cfg.sync.transport).on_device and rank == 0:
         publishing.append(checksum_item(bucket))
     if kind == "cpu" and rank == 0:
         loading = [process, *weights, Item("the whole model in fp32, once", 4 * (params + adapter))]
@@ -115,7 +115,7 @@ def published_items(cfg: RunConfig, shape: ModelShape, kind: str, rank: int, on_
     last, or the one before too), where they lie: on its device (a device transport's) or in the host's shared
     memory, which on CPU is counted in the rank's resident memory, as the benchmarks measure it. A transport that
     sends bucket by bucket (collective) keeps none."""
-    transport = transport_class(value_of(cfg.sync.transport))
+    transport = transport_class(cfg.sync.transport)
     senders = cfg.trainer.world_size if transport.any_rank_sends else 1
     in_host_memory = not transport.on_device
     if rank >= senders or in_host_memory != (on_host or kind == "cpu"):  # counted in the other budget

@@ -17,7 +17,7 @@ from rl_tpu.algorithms import core as algorithms
 from rl_tpu.cluster.core_loan import Borrower
 from rl_tpu.cluster.device import Device
 from rl_tpu.cluster.memory import peak_rss_mb
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig
 from rl_tpu.models.logprobs import forward_positions, pad_batch, token_logprobs
 from rl_tpu.records import TrainBatch
 from rl_tpu.trainer.lora import adapters_off
@@ -169,8 +169,8 @@ class PolicyUpdate:
         )
         self.policy_loss = algorithms.PolicyLoss(cfg.actor, cfg.completion_tokens)
         # bypass_mode is verl's name for a loss whose old logprobs are the sampler's
-        bypass = value_of(cfg.actor.policy_loss.loss_mode) == "bypass_mode"
-        self.old_logprob_source = "sampler" if bypass else value_of(cfg.actor.old_logprob_source)
+        bypass = cfg.actor.policy_loss.loss_mode == "bypass_mode"
+        self.old_logprob_source = "sampler" if bypass else cfg.actor.old_logprob_source
         self.stochastic = trains_stochastically(model)  # dropout (the reference model has the same architecture)
         self.skip_zero_advantage_rows = (
             cfg.trainer.skip_zero_advantage_rows is not False

@@ -24,7 +24,7 @@ from rl_tpu.cluster.actor_logs import actor_name, send_output_to_file
 from rl_tpu.cluster.core_loan import Borrower
 from rl_tpu.cluster.cores import CpuBinding
 from rl_tpu.cluster.device import Device
-from rl_tpu.config import RunConfig, value_of
+from rl_tpu.config import RunConfig
 from rl_tpu.models.hf import hf_name
 from rl_tpu.records import TrainBatch, WeightBundle
 from rl_tpu.sync.endpoints import pack_buckets
@@ -217,7 +217,7 @@ class TrainerWorker:
 
     def _export_hf(self, params: dict, folder: str) -> str | None:
         buckets = weights.served_buckets(params, self.served_dtype, self.cfg.sync.bucket_mb, self.rank)
-        return weights.export_hf_folder(buckets, self.model_path, folder, self.rank, value_of(self.cfg.model.dtype))
+        return weights.export_hf_folder(buckets, self.model_path, folder, self.rank, self.cfg.model.dtype)
 
     def save_checkpoint(self, folder: str, driver_files: dict[str, str] | None = None) -> None:
         """`driver_files`: {name: text} of the driver's part, written into the checkpoint before it is complete."""

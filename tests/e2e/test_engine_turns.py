@@ -159,7 +159,8 @@ def test_an_engine_lost_during_an_install_not_waited_for_is_brought_back_and_ser
     generation again (without the dead install as argument); the pending install then reports the version."""
     from types import SimpleNamespace
 
-    from rl_tpu.sampler.pool import EngineRecovery, SamplerPool
+    from rl_tpu.sampler.pool import SamplerPool
+    from rl_tpu.sampler.restarts import EngineRecovery
 
     def bundle(version: int) -> SimpleNamespace:
         return SimpleNamespace(version=version, bad=False)
@@ -186,7 +187,7 @@ def test_an_engine_lost_during_an_install_not_waited_for_is_brought_back_and_ser
     rollouts = pending.result(timeout_s=60)
     assert [r.prompt_ids for r in rollouts] == [[1], [2], [3], [4]]
     assert {r.weight_version for r in rollouts} == {1}
-    assert republished == [1] and pool.lives == {0: 1}
+    assert republished == [1] and pool.restarts.lives == {0: 1}
     received = pool.finish_install()
     assert received["sampler/engine_0/weight_version"] == received["sampler/engine_1/weight_version"] == 1.0
     assert received["sampler/restarts"] == 1.0

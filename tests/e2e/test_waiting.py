@@ -108,16 +108,16 @@ class Rank:
 
 def test_a_run_folder_that_one_rank_cannot_see_stops_the_run(ray_cluster, tmp_path):
     from rl_tpu.config import RunConfig
-    from rl_tpu.controller.actors import Workers, check_shared_run_dir
+    from rl_tpu.controller.actors import ActorHandles, check_shared_run_dir
     from rl_tpu.sampler.pool import SamplerPool
 
     ship_by_value(__name__)
     rank = ray_cluster.remote(Rank).options(num_cpus=0)
-    workers = Workers([rank.remote(False), rank.remote(False)], SamplerPool([]), None, RunConfig(), None)
-    check_shared_run_dir(workers, tmp_path)  # both see it: passes, and leaves nothing behind
+    handles = ActorHandles([rank.remote(False), rank.remote(False)], SamplerPool([]), None, RunConfig(), None)
+    check_shared_run_dir(handles, tmp_path)  # both see it: passes, and leaves nothing behind
     assert list(tmp_path.iterdir()) == []
-    workers.trainers.append(rank.remote(True))
+    handles.trainers.append(rank.remote(True))
     with pytest.raises(
         ActorError, match=f"the run folder {tmp_path} is not shared storage: .* not visible to trainer_2"
     ):
-        check_shared_run_dir(workers, tmp_path)
+        check_shared_run_dir(handles, tmp_path)

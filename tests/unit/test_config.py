@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 import subprocess
 import sys
+import typing
+from enum import Enum
 
 import pytest
 from conftest import REPO, compose_run
@@ -43,6 +48,55 @@ def test_enum_error_lists_allowed_values():
         compose_run("device=gpu")
     text = str(err.value.__cause__)
     assert "auto" in text and "cuda" in text and "tpu" in text
+
+
+def enum_keys(schema: type = RunConfig, prefix: str = "") -> list[tuple[str, type, bool]]:
+    """(key, its enum, whether the key holds a list of them) for every enum-typed key of the schema."""
+    found = []
+    for name, hint in typing.get_type_hints(schema).items():
+        listed = typing.get_origin(hint) is list
+        inner = typing.get_args(hint)[0] if listed else hint
+        if dataclasses.is_dataclass(inner):
+            found += enum_keys(inner, f"{prefix}{name}.")
+        elif isinstance(inner, type) and issubclass(inner, Enum):
+            found.append((prefix + name, inner, listed))
+    return found
+
+
+ENUM_KEYS = enum_keys()
+
+
+@pytest.mark.parametrize("key, choices, listed", ENUM_KEYS, ids=[key for key, _, _ in ENUM_KEYS])
+def test_a_typo_in_any_enum_key_lists_its_allowed_values(key, choices, listed):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_run(f"{key}=[nope]" if listed else f"{key}=nope")
+    allowed = ", ".join(member.value for member in choices)
+    assert f"Invalid value 'nope', expected one of [{allowed}]" in str(err.value.__cause__)
+
+
+def test_an_enum_setting_reads_as_its_string():
+    """Enum keys are `StrEnum`s: a setting formats, compares and converts as the string it names, so messages
+    and the arguments handed to vLLM and verl carry `cpu`, not `DeviceKind.cpu`, with no conversion at each use."""
+    assert len(ENUM_KEYS) >= 9
+    cfg = compose_run("device=cpu", "actor.loss_agg_mode=seq-mean-token-sum", "trainer.logger=[jsonl]")
+    for key, _, listed in ENUM_KEYS:
+        setting = functools.reduce(getattr, key.split("."), cfg)
+        for value in setting if listed else [setting]:
+            assert f"{value}" == str(value) == value.value and type(str(value)) is str, key
+    assert (cfg.device, cfg.actor.loss_agg_mode, cfg.trainer.logger) == ("cpu", "seq-mean-token-sum", ["jsonl"])
+
+
+def test_help_describes_the_keys_of_every_config_module():
+    """`rl-tpu --help` reads the field comments of every module of rl_tpu/config/ by itself: a section moved to or
+    added in a module of its own keeps its descriptions (data.reasoning_gym's were missing)."""
+    from rl_tpu.cli_help import field_comments, help_text, one_line
+
+    shown = help_text()
+    for path in sorted((REPO / "rl_tpu" / "config").glob("*.py")):
+        module = importlib.import_module("rl_tpu.config" + ("" if path.stem == "__init__" else f".{path.stem}"))
+        for (schema, key), comment in field_comments(path.read_text()).items():
+            if not dataclasses.is_dataclass(typing.get_type_hints(getattr(module, schema))[key]):  # a leaf key
+                assert one_line(comment) in shown, f"{path.name}: {schema}.{key}"
 
 
 def test_value_checks_name_the_key():

@@ -113,7 +113,7 @@ def test_a_resumed_run_with_dynamic_sampling_draws_what_an_uninterrupted_one_dra
         stream = batches(examples, 4, seed=0)
         for _ in range(taken):
             next(stream)
-        queue = rollout_queue.RolloutQueue(type("Workers", (), {"samplers": sampler})(), stream, cfg, taken)
+        queue = rollout_queue.RolloutQueue(type("ActorHandles", (), {"samplers": sampler})(), stream, cfg, taken)
         trained = []
         for step in steps:
             sampler.version = step - 1
@@ -174,7 +174,7 @@ def test_each_phase_is_timed_and_spanned_once_per_entry():
     assert sum(e.name == "rl_tpu/grade" for e in trace.events()) == 2
 
 
-class StandInWorkers:
+class StandInActors:
     """The roles' side of a step as `grpo_step` calls it: a seeded sampler, a trainer that records its batch."""
 
     def __init__(self):
@@ -224,12 +224,12 @@ def test_a_step_runs_its_phases_in_order_and_keeps_its_metric_keys():
     cfg = RunConfig()
     cfg.data.train_batch_size, cfg.sampler.n, cfg.trainer.total_steps = 4, 2, 2
     cfg.algorithm.filter_groups.enable, cfg.algorithm.use_kl_in_reward = True, True
-    workers = StandInWorkers()
+    actors = StandInActors()
     examples = [Example([i], "src", "1", {}) for i in range(40)]
-    queue = RolloutQueue(workers, batches(examples, 4, seed=0), cfg, taken=0)
-    metrics, trained = grpo_step(1, queue, workers, Identity(), ScoresByToken(), cfg, LearningSignal(cfg))
+    queue = RolloutQueue(actors, batches(examples, 4, seed=0), cfg, taken=0)
+    metrics, trained = grpo_step(1, queue, actors, Identity(), ScoresByToken(), cfg, LearningSignal(cfg))
     assert set(metrics) == STEP_KEYS
-    assert workers.calls == ["release", "token_kl", "train", "publish", "install"]
+    assert actors.calls == ["release", "token_kl", "train", "publish", "install"]
     assert len(trained.prompts) == 4 and metrics["data/varied_groups"] == 4.0
     timed = ("time/generate_s", "time/reward_s", "time/train_step_s", "time/sync_s")
     assert sum(metrics[k] for k in timed) <= metrics["time/step_s"]
