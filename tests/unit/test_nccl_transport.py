@@ -27,9 +27,10 @@ from rl_tpu.cluster.core_loan import EngineActivity
 from rl_tpu.cluster.device import Device
 from rl_tpu.config import register_configs
 from rl_tpu.controller.checks import validate
+from rl_tpu.models.families import FAMILIES
 from rl_tpu.records import WeightBundle, WeightSyncError
 from rl_tpu.sampler.engine import EngineOptions, EngineTurns, Sampler
-from rl_tpu.sampler.served import served_weights
+from rl_tpu.sampler.served import FullWeights
 from rl_tpu.sync.collective import gloo_group
 from rl_tpu.sync.endpoints import pack_buckets
 from rl_tpu.sync.nccl import NcclTransport
@@ -173,7 +174,7 @@ def sampler(engine: InProcessEngine, index: int) -> Sampler:
     started.options, started.llm = EngineOptions(index=index, transport="nccl"), engine
     started.version, started.busy_s, started.turns = 0, 0.0, EngineTurns()
     started.activity = EngineActivity(None, index)
-    started.served = served_weights(engine, None, "", torch.bfloat16)
+    started.served = FullWeights(engine, FAMILIES["qwen3"].fused_weights)  # served_weights without a model folder
     NcclTransport.attach_engine(index, engine)
     return started
 
