@@ -56,6 +56,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> Path:
+    """A tiny model with Qwen2.5's chat template, warm-started to call the calculator (tests/chat_model.py)."""
+    from chat_model import build_chat_model
+
+    folder = tmp_path_factory.mktemp("models") / "tiny_chat"
+    build_chat_model(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray

@@ -108,17 +108,20 @@ def dump_rows(batch: GradedBatch, tokenizer) -> list[dict]:
     rows = []
     for rollout, score in zip(batch.rollouts, batch.grades.scores):
         example = batch.prompts[rollout.group]
-        rows.append(
-            {
-                "index": example.row,
-                "input": tokenizer.decode(rollout.prompt_ids, skip_special_tokens=True),
-                "output": tokenizer.decode(rollout.completion_ids, skip_special_tokens=True),
-                "answer": tokenizer.decode(rollout.answer_ids(), skip_special_tokens=True),
-                "gts": example.ground_truth,
-                "score": score,
-                "weight_version": rollout.weight_version,
-            }
-        )
+        row = {
+            "index": example.row,
+            "input": tokenizer.decode(rollout.prompt_ids, skip_special_tokens=True),
+            "output": tokenizer.decode(rollout.completion_ids, skip_special_tokens=True),
+            "answer": tokenizer.decode(rollout.answer_ids(), skip_special_tokens=True),
+            "gts": example.ground_truth,
+            "score": score,
+            "weight_version": rollout.weight_version,
+            "input_ids": rollout.prompt_ids,
+            "output_ids": rollout.completion_ids,
+        }
+        if rollout.episode is not None:
+            row["turns"] = [{"role": role, "start": start, "end": end} for role, start, end in rollout.turn_spans()]
+        rows.append(row)
     return rows
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from chat_model import QWEN_SPECIAL, QWEN_TAGS, byte_tokenizer
 
 from rl_tpu.episodes.loop import Episode
 from rl_tpu.episodes.render import ChatRenderer
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 TOOLS = [
     {
         "type": "function",
@@ -32,8 +31,6 @@ TOOLS = [
         },
     }
 ]
-QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-QWEN_TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 GLM_SPECIAL = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>")
 GLM_TAGS = (
     "<think>",
@@ -59,8 +56,8 @@ class Family:
 
 
 FAMILIES = {
-    "qwen2.5": Family("qwen2_5", "qwen2", QWEN_SPECIAL, QWEN_TAGS[:2], "<|im_end|>"),
-    "qwen3": Family("qwen3", "qwen3", QWEN_SPECIAL, QWEN_TAGS, "<|im_end|>"),
+    "qwen2.5": Family("qwen2_5", "qwen2", QWEN_SPECIAL, QWEN_TAGS, "<|im_end|>"),
+    "qwen3": Family("qwen3", "qwen3", QWEN_SPECIAL, (*QWEN_TAGS, "<think>", "</think>"), "<|im_end|>"),
     "llama3.1": Family(
         "llama3_1",
         "llama",
@@ -75,19 +72,7 @@ FAMILIES = {
 
 
 def chat_tokenizer(family: Family):
-    """A byte-level BPE without merges (every byte one token) plus the family's tokens and its template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    core = Tokenizer(models.BPE(vocab={byte: i for i, byte in enumerate(alphabet)}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=family.bos, eos_token=family.special[-1])
-    tokenizer.add_special_tokens({"additional_special_tokens": list(family.special)})
-    tokenizer.add_tokens(list(family.added))
-    tokenizer.chat_template = (TEMPLATES / f"{family.template}.jinja").read_text()
-    return tokenizer
+    return byte_tokenizer(family.template, family.special, family.added, family.special[-1], family.bos)
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:

@@ -169,6 +169,10 @@ def test_a_plugin_reads_the_final_turn_and_finds_the_whole_episode_in_extra_info
     batch = GradedBatch([Example([0], "src", "42", {})], [rollout], Grades([1.0], {"arithmetic": [1.0]}, {}))
     [dumped] = controller.dump_rows(batch, tokenizer)
     assert (dumped["answer"], dumped["output"]) == (" 42", view["text"])
+    # the ids the trainer scored, and the turns as spans of them: what a check of the chat template reads
+    assert (dumped["input_ids"], dumped["output_ids"]) == (rollout.prompt_ids, rollout.completion_ids)
+    assert [(t["role"], t["start"], t["end"]) for t in dumped["turns"]] == rollout.turn_spans()
+    assert [t["role"] for t in dumped["turns"]] == ["model", "environment", "model"]
     single = Rollout([0], rollout.completion_ids, rollout.logprobs, 0, "stop")  # a single completion: all of it
     assert graded_sample(single, row, tokenizer).solution_str == view["text"]
 
