@@ -7,8 +7,9 @@ the tests' runs, rendered by the template: the question, a `calculator` call wit
 result, then the final answer (`#### N` for GSM8K, `<answer>N</answer>` for reasoning-gym) or a final turn with no
 number at all (so a run holds episodes whose only number is in a tool result). The template's system text (its
 tool block) and GSM8K's instruction are single tokens of the vocabulary, so a conversation is about 270 tokens:
-200 full-batch steps on 8 of them (9 to 17 minutes measured on a 2-core host shared at a load average of 20-30; an idle
-host's time unmeasured). conftest's `chat_model_dir` builds it once per session.
+200 full-batch steps on 8 of them, 22 s with one thread on a 2-core host at a load average of 5 (2026-12-07; with
+two threads beside other work, 9 to 17 minutes: see conftest's OMP_NUM_THREADS). conftest's `chat_model_dir` builds
+it once per session.
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # each xdist worker's runs lease cores among themselves only: the workers share the host on purpose, and a run's
 # pinning (the core-loan tests) must not depend on what the other worker runs meanwhile
 os.environ.setdefault("RL_TPU_CORE_LEASE_DIR", tempfile.mkdtemp(prefix="rl_tpu-cores-"))
+# ... and each worker computes on its share of the cores (the runs' actors and engines set their own threads:
+# rl_tpu/cluster/cores.py). With every core each, the workers' OpenMP threads wait on one another: a step of a
+# 64-wide model took 1.27 s with 2 threads beside other work on a 2-core host, 0.05 s with one (2026-12-07).
+os.environ.setdefault(
+    "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))))
+)
 
 
 def ship_by_value(module_name: str) -> None:
