@@ -68,6 +68,7 @@ def one_run(tree: Path, cache_dir: Path, run_dir: Path) -> dict:
     ours, cpu, kinds = {driver.pid}, {}, {driver.pid: "driver"}
     lines: list[float] = []
     exited = gone = None
+    outlived: list[str] = []
     metrics = run_dir / "metrics.jsonl"
     while gone is None:
         now = processes()
@@ -83,6 +84,7 @@ def one_run(tree: Path, cache_dir: Path, run_dir: Path) -> dict:
             lines += [time.monotonic() - start] * (metrics.read_text().count("\n") - len(lines))
         if exited is None and driver.poll() is not None:
             exited = time.monotonic() - start
+            outlived = sorted({kinds[pid] for pid in ours & now.keys() if pid != driver.pid})
         if exited is not None and (not ours & now.keys() or time.monotonic() - start > exited + 30):
             gone = time.monotonic() - start
         time.sleep(POLL_S)
@@ -96,6 +98,7 @@ def one_run(tree: Path, cache_dir: Path, run_dir: Path) -> dict:
         "first_step_s": lines[1],
         "exit_s": exited,
         "all_gone_s": gone,
+        "outlived_the_driver": outlived,  # processes still there when the driver exited, by kind
         "cpu_s": sum(cpu.values()),
         "cpu_s_by_kind": {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
     }
@@ -106,6 +109,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="a commit to compare against (A B A B); none: this checkout alone")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "rl_tpu-startup-cache")
+    parser.add_argument("--no-warm-up", action="store_true", help="the cache holds the tiny model and data already")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "startup.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -117,7 +121,8 @@ def main() -> None:
             trees["baseline"].mkdir()
             archive = subprocess.run(["git", "archive", args.baseline], cwd=REPO, check=True, capture_output=True)
             subprocess.run(["tar", "-x", "-C", str(trees["baseline"])], input=archive.stdout, check=True)
-        one_run(REPO, args.cache_dir, Path(scratch) / "warm-up")  # the cache: the tiny model and its data
+        if not args.no_warm_up:  # the cache: the tiny model and its data
+            one_run(REPO, args.cache_dir, Path(scratch) / "warm-up")
         rounds = []
         for i in range(args.rounds):
             runs = {}

@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rl_tpu.config import RayConfig, RunConfig, value_of
@@ -397,20 +395,3 @@ def start_ray(cfg: RayConfig, bundle_bytes: int = 0) -> None:
         object_store_memory=object_store_bytes(cfg, bundle_bytes),
         log_to_driver=False,
     )
-
-
-@contextmanager
-def ray_for_run(cfg: RayConfig, bundle_bytes: int = 0) -> Iterator[None]:
-    """`start_ray` for one run. At its end the connection this opened, and the local cluster it started, are closed
-    at once: before the run's plots and the interpreter's exit, and without the 0.5 s that Ray's exit hook sleeps
-    for log lines that a run with `log_to_driver=False` never prints. A connection already open (a sweep's trial, a
-    test's cluster) stays."""
-    import ray
-
-    started = not ray.is_initialized()
-    start_ray(cfg, bundle_bytes)
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()

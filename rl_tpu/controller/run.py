@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.cluster import placement
-from rl_tpu.cluster.placement import ray_for_run
+from rl_tpu.cluster.placement import start_ray
 from rl_tpu.config import RunConfig, Tracker, cache_path, value_of
 from rl_tpu.controller import evaluation, memory_plan
 from rl_tpu.controller.actors import Workers, start_workers, tool_settings
@@ -267,26 +267,26 @@ def run(
     logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress, tracking.for_run(cfg, run_dir), started)
     try:
         # before the signal handlers: ray.init installs a SIGTERM handler of its own
-        with ray_for_run(cfg.ray, bundle_bytes(model_path, cfg.model.torch_dtype)):
-            kind = placement.device_kind(cfg.device, ray.cluster_resources())
-            transport_class(cfg.sync.transport).check_device(cfg, kind)
-            if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
-                log.warning(why)
-            if cfg.actor.lora.enabled:  # the actors get the resolved device, from which `lora_sync` decides the same
-                sends = LORA_SENDS[dataclasses.replace(cfg, device=kind).lora_sync]
-                log.info("LoRA rank %d: each weight sync sends %s", cfg.actor.lora.lora_rank, sends)
-            log.info(
-                "model %s, %d train / %d eval prompts, reward %s, device %s",
-                model_path,
-                len(train_examples),
-                len(eval_examples),
-                grader.describe(),
-                kind,
-            )
-            with StopRequest() as stop:
-                inputs = (tokenizer, train_examples, eval_examples, grader)
-                job = Job(cfg, run_dir, model_path, kind, *inputs, logger, stop, settings, replay_queued)
-                with_restarts(lambda restarts: train(job, restarted=restarts > 0), cfg.trainer.max_restarts)
+        start_ray(cfg.ray, bundle_bytes(model_path, cfg.model.torch_dtype))
+        kind = placement.device_kind(cfg.device, ray.cluster_resources())
+        transport_class(cfg.sync.transport).check_device(cfg, kind)
+        if kind == "cpu" and (why := precision.slow_bf16_warning(value_of(cfg.model.dtype))):
+            log.warning(why)
+        if cfg.actor.lora.enabled:  # the actors get the resolved device, from which `lora_sync` decides the same
+            sends = LORA_SENDS[dataclasses.replace(cfg, device=kind).lora_sync]
+            log.info("LoRA rank %d: each weight sync sends %s", cfg.actor.lora.lora_rank, sends)
+        log.info(
+            "model %s, %d train / %d eval prompts, reward %s, device %s",
+            model_path,
+            len(train_examples),
+            len(eval_examples),
+            grader.describe(),
+            kind,
+        )
+        with StopRequest() as stop:
+            inputs = (tokenizer, train_examples, eval_examples, grader)
+            job = Job(cfg, run_dir, model_path, kind, *inputs, logger, stop, settings, replay_queued)
+            with_restarts(lambda restarts: train(job, restarted=restarts > 0), cfg.trainer.max_restarts)
     finally:
         logger.close()
         grader.close()
