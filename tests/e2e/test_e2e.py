@@ -296,7 +296,7 @@ def test_export_loads_in_vllm_with_the_same_greedy_output(three_step_run, ray_cl
     assert len(rollout.completion_ids) == len(expected) or rollout.completion_ids[-1] == 0
 
 
-def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
+def test_verl_gsm8k_parquet_trains_two_steps(tmp_path, monkeypatch):
     """verl's GSM8K parquet (from the prepare script) through the CLI, with the gsm8k + format rewards; and a loss
     and an estimator by import path from a module in the folder the run starts in (tests/fixtures/custom_losses.py):
     the driver registers the estimator for the advantages, the trainer rank, a Ray actor that imports afresh, the
@@ -304,6 +304,8 @@ def test_verl_gsm8k_parquet_trains_two_steps(tmp_path):
     from recipes.grpo_gsm8k.prepare import main as prepare
 
     prepare(["--input_dir", str(REPO / "tests" / "fixtures" / "gsm8k"), "--output_dir", str(tmp_path / "data")])
+    # the checkout on the path: tests/fixtures/rewards, a folder of plugins, would otherwise stand for the package
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     run_cli(
         tmp_path / "run",
         tmp_path / "cache",
