@@ -13,7 +13,8 @@ import sys
 
 def varying(key: str) -> bool:
     """Figures that differ between two runs of the same code: wall-clock times, rates, peak memory."""
-    return key.startswith("time/") or key == "timestamp" or key.endswith(("_s", "_per_s", "peak_rss_mb"))
+    seconds = key.endswith(("_s", "_per_s")) or key.endswith(("_s_mean", "_s_max"))  # episode/tool_wait_s_mean
+    return key.startswith("time/") or key == "timestamp" or seconds or key.endswith("peak_rss_mb")
 
 
 def differences(before: list[dict], after: list[dict]) -> tuple[list, int]:
