@@ -219,7 +219,7 @@ def dense_rows(flat, vocab: int) -> torch.Tensor:
     first) as a [positions, vocab] table; an entry vLLM left out stays -inf, which no bound lets through."""
     rows = torch.full((len(flat.start_indices) - 1, vocab), float("-inf"))
     for row, (start, end) in enumerate(zip(flat.start_indices[1:], flat.end_indices[1:])):
-        rows[row, torch.tensor(flat.token_ids[start:end])] = torch.tensor(flat.logprobs[start:end])
+        rows[row, torch.tensor(flat.token_ids[start:end])] = torch.tensor(flat.logprobs[start:end], dtype=torch.float32)
     return rows
 
 

@@ -84,3 +84,21 @@ def test_the_command_records_each_setting_once_and_fails_naming_the_measure(tmp_
     assert list(record["certificates"]) == ["bf16 a", "bf16 b"] and record["model"] == "tiny"
     report = (tmp_path / "c.md").read_text()
     assert "| bf16 a | 1 |" in report and "NO: " in report and report.count("| yes |") == 1
+
+
+def test_the_engines_flat_logprobs_become_a_row_per_position_and_a_token_left_out_stays_minus_infinity():
+    from vllm.logprobs import FlatLogprobs
+
+    from rl_tpu.sampler.engine import EngineOptions, dense_rows, engine_args
+
+    # vLLM's layout: no entry for the first token, then each position's tokens in rank order (the prompt's own first)
+    flat = FlatLogprobs(
+        start_indices=[0, 0, 3],
+        end_indices=[0, 3, 5],
+        token_ids=[2, 0, 1, 1, 0],
+        logprobs=[-0.25, -3.0, -2.5, -1.0, -2.0],
+    )
+    rows = dense_rows(flat, vocab=3)
+    assert rows.tolist() == [[-3.0, -2.5, -0.25], [-2.0, -1.0, float("-inf")]]
+    assert engine_args(EngineOptions(full_distributions=True), None, True, [0])["max_logprobs"] == -1  # no cap
+    assert "max_logprobs" not in engine_args(EngineOptions(), None, True, [0])  # a run's engines keep vLLM's
