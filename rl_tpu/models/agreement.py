@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 # Per dtype, the most each measure may reach: past it the engine does not serve what the trainer trains.
-# Set from the measured CPU figures (benchmarks/results/consistency_cpu_*.json), at least 4x above the largest;
+# Set from the measured CPU figures (benchmarks/results/consistency_cpu_*.json), about 4x or more above the largest;
 # docs/reliability.md gives both. The argmax share is reported, not bounded: a near tie may flip in any dtype.
 BOUNDS: dict[str, dict[str, float]] = {
     "float32": {
