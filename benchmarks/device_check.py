@@ -12,7 +12,11 @@ One script, meant to finish in under 5 minutes on a GPU. Its checks (`--checks`,
   tokens), then publishes its weights through each of `--transports` (shm_file, object_store:
   a local Ray), fetches them back with every checksum verified, and compares them with the
   trainer's. Its old-policy logprobs are a plain fp32 Hugging Face forward's, so the first
-  step's `logprob_diff` is the trainer's gap to that reference.
+  step's `logprob_diff` is the trainer's gap to that reference;
+- `ipc`: the `cuda_ipc` handoff of a bundle as large as the trainer shape's weights;
+- `consistency`: the consistency certificate (`python -m rl_tpu.consistency`) of the tiny model in fp32
+  and bf16 and of the trainer shape's model in bf16, recorded beside the other results; it needs vLLM
+  and Ray, and is skipped (saying so) where they are not installed.
 
 Each reports trainer MFU (6 x parameters x positions computed per second of the train step,
 against the bf16 dense peak of the GPU it finds; on CPU the achieved FLOP/s only), and
@@ -460,6 +464,9 @@ def profiled_step(worker, batch: TrainBatch, device: str) -> dict:
 
 
 def report(label: str, check: dict, peak: float | None) -> None:
+    if label == "consistency":
+        print(f"consistency: {check.get('skipped') or check['exit_status']}")
+        return
     if label == "ipc":
         print(
             f"ipc: {check['bytes'] / 1e9:.2f} GB handed over in {check['handoff_s']:.3f} s "
@@ -476,13 +483,47 @@ def report(label: str, check: dict, peak: float | None) -> None:
     )
 
 
-CHECKS = {"tiny": check_tiny, "real_size": check_real_size, "trainer": check_trainer, "ipc": check_ipc}
+def check_consistency(args, tmp: Path, peak: float | None) -> dict:
+    """The consistency certificate (`python -m rl_tpu.consistency`, 4 fixed sequences of 16 tokens) of the tiny
+    model in fp32 and bf16, and of the trainer shape's model (2 sequences of 8 tokens) in bf16, each added to
+    benchmarks/results/consistency_<device>_<model>.json and .md; needs vLLM and Ray, else skipped, saying so."""
+    if not (installed("vllm") and installed("ray")):
+        return {"skipped": "the consistency certificate needs vLLM and Ray, which this host lacks"}
+    from rl_tpu.consistency import main as certify
+
+    tiny = trainer_model("tiny", tmp / "consistency-tiny")
+    runs = [("tiny", [f"model.path={tiny}", f"model.dtype={dtype}"]) for dtype in ("float32", "bfloat16")]
+    if args.trainer_shape != "tiny":
+        shape = trainer_model(args.trainer_shape, tmp / f"consistency-{args.trainer_shape}")
+        runs.append(
+            (args.trainer_shape, [f"model.path={shape}", "model.dtype=bfloat16", "--sequences=2", "--length=8"])
+        )
+    out = ["--out", str(REPO / "benchmarks" / "results")]
+    status = {
+        f"{model} {settings[1]}": certify(
+            [f"device={args.device}", *settings, *out, f"--name=consistency_{args.device}_{model}"]
+        )
+        for model, settings in runs
+    }
+    names = sorted({f"consistency_{args.device}_{model}" for model, _ in runs})
+    return {"exit_status": status, "records": names}
 
 
-def ray_installed() -> bool:
+CHECKS = {
+    "tiny": check_tiny,
+    "real_size": check_real_size,
+    "trainer": check_trainer,
+    "ipc": check_ipc,
+    "consistency": check_consistency,
+}
+
+
+def installed(module: str) -> bool:
+    """Whether `module` imports: the lent GPU machines have neither Ray nor vLLM (the object_store publish and the
+    consistency certificate are left out there)."""
     try:
-        import ray  # noqa: F401
-    except ImportError:  # the lent GPU machines have no Ray: the object_store publish is left out there
+        __import__(module)
+    except ImportError:
         return False
     return True
 
@@ -521,7 +562,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bucket-mb", type=float, default=512.0, help="the ipc check's buckets (sync.bucket_mb)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    args.transports = args.transports or (["shm_file", "object_store"] if ray_installed() else ["shm_file"])
+    args.transports = args.transports or (["shm_file", "object_store"] if installed("ray") else ["shm_file"])
     out = args.out or REPO / "benchmarks" / "results" / f"device_check_{args.device}.json"
     load_before = os.getloadavg()
     name, peak = bf16_peak_tflops(args.device)

@@ -220,3 +220,15 @@ def forward_positions(t: dict[str, torch.Tensor], batch: TrainBatch) -> tuple[in
     distinct = {tuple(p) for p in batch.prompt_ids}
     real = sum(map(len, distinct)) + sum(min(len(c), resp_len - 1) for c in batch.completion_ids)
     return real, t["prompt_rows"].shape[0] * (width - resp_len) + rows * (resp_len - 1)
+
+
+def next_token_logprobs(model: torch.nn.Module, sequences: list[list[int]], device: torch.device) -> torch.Tensor:
+    """The full fp32 log-softmax over the vocabulary at every position but the last of each sequence (the
+    distribution of the token that follows it), rows stacked in order: what the consistency certificate compares
+    with the engine's. One sequence a forward: no padding, so nothing but the model decides a row."""
+    rows = []
+    with torch.no_grad():
+        for ids in sequences:
+            logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, :-1]
+            rows.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+    return torch.cat(rows)

@@ -76,6 +76,7 @@ class EngineOptions:
     adapters: AdapterServing | None = None  # a LoRA policy served as base plus adapter; None: full weights
     transport: str = DEFAULT_TRANSPORT  # sync.transport: it may set vLLM's settings and attach to the engine
     tensor_parallel_size: int = 1  # its devices (on CPU: its threads split over that many worker processes)
+    full_distributions: bool = False  # vLLM may return the whole vocabulary's logprobs (`rl_tpu.consistency`)
 
 
 def sampling_params(
@@ -200,7 +201,26 @@ def engine_args(options: EngineOptions, kv_cache_gb: float | None, on_cpu: bool,
         # vLLM then rewinds the request's generator, and CPU generators have no offset to rewind.
         args["enable_chunked_prefill"] = False
     args.update(transport_class(options.transport).engine_args())
+    if options.full_distributions:
+        args["max_logprobs"] = -1  # no cap: a prompt's logprobs over every token of the vocabulary
     return args
+
+
+def full_distribution_params():
+    """vLLM's parameters that score a sequence: every token of the vocabulary at every position (flat, not decoded:
+    a constant number of Python objects whatever the vocabulary), one token generated and dropped."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, prompt_logprobs=-1, flat_logprobs=True, detokenize=False)
+
+
+def dense_rows(flat, vocab: int) -> torch.Tensor:
+    """vLLM's flat prompt logprobs of one sequence (every token of the vocabulary at each position after the
+    first) as a [positions, vocab] table; an entry vLLM left out stays -inf, which no bound lets through."""
+    rows = torch.full((len(flat.start_indices) - 1, vocab), float("-inf"))
+    for row, (start, end) in enumerate(zip(flat.start_indices[1:], flat.end_indices[1:])):
+        rows[row, torch.tensor(flat.token_ids[start:end])] = torch.tensor(flat.logprobs[start:end], dtype=torch.float32)
+    return rows
 
 
 class Sampler:
@@ -310,6 +330,13 @@ class Sampler:
             )
             self.busy_s += time.perf_counter() - start
             return outputs, self.version
+
+    def next_token_logprobs(self, sequences: list[list[int]]) -> torch.Tensor:
+        """The served policy's full next-token log-softmax at every position but the last of each sequence, rows
+        stacked in order (`rl_tpu.consistency`; the engine needs `EngineOptions.full_distributions`)."""
+        outputs, _ = self._generate(sequences, [full_distribution_params()] * len(sequences))
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        return torch.cat([dense_rows(output.prompt_logprobs, vocab) for output in outputs])
 
     @ray.method(concurrency_group="weights")
     def install(self, bundle: WeightBundle, resent: bool = False, earlier: list | None = None) -> dict[str, float]:

@@ -26,6 +26,7 @@ from rl_tpu.cluster.cores import CpuBinding
 from rl_tpu.cluster.device import Device
 from rl_tpu.config import RunConfig
 from rl_tpu.models.hf import hf_name
+from rl_tpu.models.logprobs import next_token_logprobs
 from rl_tpu.records import TrainBatch, WeightBundle
 from rl_tpu.sync.endpoints import pack_buckets
 from rl_tpu.sync.registry import make_transport
@@ -164,6 +165,10 @@ class TrainerWorker:
 
     def token_kl(self, batch: TrainBatch) -> list[list[float]]:
         return self.update.token_kl(batch)
+
+    def next_token_logprobs(self, sequences: list[list[int]]) -> torch.Tensor:
+        """The policy's full next-token log-softmax rows (`rl_tpu.consistency`); world size 1 only."""
+        return next_token_logprobs(self.model.eval(), sequences, self.device.torch_device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights in Hugging Face names on every rank's CPU (collective: all ranks call it)."""

@@ -90,9 +90,11 @@ runpy.run_path("benchmarks/device_check.py", run_name="__main__")
 
 def test_the_ipc_check_needs_neither_ray_nor_vllm_and_hands_every_bucket_over_verified(tmp_path):
     """On the CPU the handles are torch's shared memory instead of CUDA IPC: the same transport code, checksums and
-    receiving process (a smoke test; the figures that count come from a GPU)."""
+    receiving process (a smoke test; the figures that count come from a GPU). The consistency certificate, which
+    needs both, says it was skipped."""
     out = tmp_path / "ipc.json"
-    args = ["--device", "cpu", "--checks", "ipc", "--trainer-shape", "tiny", "--bucket-mb", "3", "--out", str(out)]
+    args = ["--device", "cpu", "--checks", "ipc", "consistency", "--trainer-shape", "tiny", "--bucket-mb", "3"]
+    args += ["--out", str(out)]
     result = subprocess.run(
         [sys.executable, "-c", NO_RAY_NO_VLLM, *args], cwd=REPO, capture_output=True, text=True, timeout=300
     )
@@ -103,3 +105,5 @@ def test_the_ipc_check_needs_neither_ray_nor_vllm_and_hands_every_bucket_over_ve
     assert 0 < ipc["handoff_gb_per_s"] and 0 < ipc["device_copy_gb_per_s"]
     assert list(ipc["sender_memory_gib"]) == ["start", "buckets_gathered", "handed_over", "released"]
     assert "ipc: 0.01 GB handed over" in result.stdout
+    skipped = json.loads(out.read_text())["checks"]["consistency"]["skipped"]
+    assert "needs vLLM and Ray" in skipped and f"consistency: {skipped}" in result.stdout
