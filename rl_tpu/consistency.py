@@ -78,7 +78,6 @@ def engine_logprobs(cfg, model_path: Path, sequences: list[list[int]]):
     """The engine's rows: one vLLM engine (a Ray actor) set up as a run sets up its engines, shut down after."""
     import ray
 
-    from rl_tpu.config import value_of
     from rl_tpu.sampler.engine import EngineOptions, launch_sampler
 
     tp = cfg.sampler.tensor_parallel_size
@@ -88,8 +87,8 @@ def engine_logprobs(cfg, model_path: Path, sequences: list[list[int]]):
         tensor_parallel_size=tp,
         full_distributions=True,
     )
-    resources = {"num_cpus": 1} if value_of(cfg.device) == "cpu" else {"num_cpus": 1, "num_gpus": tp}
-    dtype, max_len = value_of(cfg.model.dtype), max(map(len, sequences)) + 1
+    resources = {"num_cpus": 1} if str(cfg.device) == "cpu" else {"num_cpus": 1, "num_gpus": tp}
+    dtype, max_len = str(cfg.model.dtype), max(map(len, sequences)) + 1
     ray.init(address="local", include_dashboard=False, log_to_driver=False, object_store_memory=256 * 2**20)
     try:
         engine = launch_sampler(
@@ -124,11 +123,10 @@ def trainer_logprobs(cfg, model_path: Path, sequences: list[list[int]]):
 
 def setting_label(cfg, backend: str) -> str:
     """One certificate's key: what decides the numbers besides the model."""
-    from rl_tpu.config import value_of
 
-    residual = ", fp32 residual" if cfg.model.fp32_residual and value_of(cfg.model.dtype) != "float32" else ""
+    residual = ", fp32 residual" if cfg.model.fp32_residual and str(cfg.model.dtype) != "float32" else ""
     return (
-        f"{value_of(cfg.model.dtype)}{residual}, world size {cfg.trainer.world_size}, "
+        f"{cfg.model.dtype}{residual}, world size {cfg.trainer.world_size}, "
         f"tensor parallel {cfg.sampler.tensor_parallel_size}, {backend}"
     )
 
@@ -139,7 +137,7 @@ def certify(cfg, args) -> dict:
     import vllm
 
     from rl_tpu.cluster.device import Device
-    from rl_tpu.config import cache_path, value_of
+    from rl_tpu.config import cache_path
     from rl_tpu.models.agreement import BOUNDS, agreement, exceeded
     from rl_tpu.models.resolve import resolve_model_path
 
@@ -150,7 +148,7 @@ def certify(cfg, args) -> dict:
     engine = engine_logprobs(cfg, model_path, sequences)
     trainer = trainer_logprobs(cfg, model_path, sequences)
     figures = agreement(engine, trainer)
-    dtype = value_of(cfg.model.dtype)
+    dtype = str(cfg.model.dtype)
     backend = f"vllm {vllm.__version__} on {cfg.device}, torch {torch.__version__}"
     return {
         "setting": setting_label(cfg, backend),
