@@ -367,9 +367,19 @@ def test_async_mode_generates_ahead_with_stale_weights_and_corrects_them(tmp_pat
         assert coef[step + 1] == pytest.approx(coef[step] * (1 + error * 16 / 100), rel=1e-9)
 
 
-def test_bf16_run_with_a_verl_plugin_through_the_verl_keys(three_step_run, tmp_path):
-    """model.dtype=bfloat16 (the real-model recipes' setting): bf16 engine, bf16 bundles of half the bytes; and
-    examples/custom_reward's plugin, written for verl, given with verl's custom_reward_function keys."""
+TRANSPORT_PLUGIN = "handshake_transport:HandshakeStore"  # tests/fixtures/handshake_transport.py
+
+
+def test_bf16_run_with_a_verl_plugin_and_a_transport_plugin(three_step_run, tmp_path, monkeypatch):
+    """model.dtype=bfloat16 (the real-model recipes' setting): bf16 engine, bf16 bundles of half the bytes;
+    examples/custom_reward's plugin, written for verl, given with verl's custom_reward_function keys; and a weight
+    transport defined outside rl_tpu, named by import path: the controller runs its handshake, the engines attach
+    it, and every sync goes through it (an engine refuses a bucket that skipped a hook). One run for the three: each
+    CLI run costs the suite its start-up."""
+    # the transport's module importable in the driver and, through the environment Ray's workers inherit, in every
+    # actor
+    path = [str(REPO / "tests" / "fixtures"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
     run_cli(
         tmp_path / "run",
         three_step_run[0] / "cache",
@@ -378,11 +388,13 @@ def test_bf16_run_with_a_verl_plugin_through_the_verl_keys(three_step_run, tmp_p
         "trainer.world_size=1",
         "custom_reward_function.path=examples/custom_reward/reward.py",
         "custom_reward_function.name=compute_score",
+        f"sync.transport={TRANSPORT_PLUGIN}",
     )
     fp32 = read_metrics(three_step_run[0] / "run" / "metrics.jsonl")[1]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for row in rows[1:]:
+    for step, row in enumerate(rows[1:], start=1):
+        assert row["sync/transport"] == TRANSPORT_PLUGIN and row["sync/version"] == step
         assert row["sync/bytes"] * 2 == fp32["sync/bytes"]
         # bf16 rounding on both sides: far above fp32's 1e-7, far below a mismatched model's ~1
         assert 1e-5 < row["actor/logprob_diff"] < 0.05

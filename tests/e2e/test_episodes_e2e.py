@@ -1,7 +1,8 @@
 """Multi-turn episodes through the whole loop (real vLLM engine, two FSDP2 ranks, verl's function tool in worker
-processes): the tiny preset, warm-started briefly on calculator episodes, calls the tool, reads its result and
-answers; after every weight sync the engine's and the trainer's fp32 logprobs of the model's tokens agree below
-1e-5 per token; a sync-mode run with this deterministic tool resumes exactly."""
+processes): the tool_math recipe's model (the shipped warm start: it calls the calculator in about a quarter of its
+episodes) calls the tool, reads its result and answers; after every weight sync the engine's and the trainer's
+fp32 logprobs of the model's tokens agree below 1e-5 per token; a sync-mode run with this deterministic tool
+resumes exactly; an OpenEnv environment as the tool, one per episode, under a LoRA policy."""
 
 from __future__ import annotations
 
@@ -18,15 +19,10 @@ from test_e2e import assert_same_steps
 from rl_tpu.outputs.metrics import read_metrics
 
 EPISODE_OVERRIDES = (
-    "+recipe=tool_math",
-    # a short warm start on episodes only: enough for well-formed calls, not for the whole task
-    "model.tiny.warm_start_steps=150",
-    "model.tiny.warm_start_batch_size=32",
-    "model.tiny.warm_start_tool_rate=1.0",
-    "model.tiny.warm_start_malformed_rate=0.0",
+    "+recipe=tool_math",  # its model and held-out set as shipped: no warm start to build (minutes of the suite)
+    "data.val_max_samples=16",
     "data.train_batch_size=4",
-    "sampler.n=4",
-    "data.num_eval=16",
+    "sampler.n=8",  # 32 episodes a step: none calling the tool at the model's call rate is a chance of 3e-5
     "trainer.eval_every=2",
     "trainer.world_size=2",
 )
@@ -54,7 +50,7 @@ def test_episodes_call_the_tool_and_the_logprobs_agree_after_every_sync(episode_
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for row in steps:
-        assert row["episode/tool_call_rate"] > 0.5 and row["episode/turns_mean"] > 1.0, row["step"]
+        assert row["episode/tool_call_rate"] > 0.1 and row["episode/turns_mean"] > 1.0, row["step"]
         assert row["episode/env_tokens_mean"] > 0 and row["episode/tool/calc/calls"] > 0
         assert row["episode/tool_failures_mean"] == 0.0
         # the model's tokens after a tool result, scored by the trainer as the engine sampled them
@@ -74,13 +70,13 @@ def test_a_sync_run_with_a_deterministic_tool_resumes_exactly(episode_run):
     assert_same_steps(trained, episode_run / "run", keys=("episode/env_tokens_mean", "episode/tool_calls_mean"))
 
 
-def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_trains_a_lora_policy(episode_run):
-    """reasoning-gym's `basic_arithmetic` in place of data files, scored by its own scorer; the calculator an OpenEnv
-    `Environment` behind rl_tpu's OpenEnvTool, named in a verl tools YAML, one environment per episode (`lifetime:
-    episode`: created at its first call, released at its end, its calls routed to the worker holding it). The
-    policy is a LoRA adapter (a large learning rate, so that each version differs): after every adapter-only sync
-    the engine serves the episodes' model tokens with the trainer's logprobs."""
-    run = episode_run / "reasoning_gym"
+def test_an_openenv_environment_as_the_tool_trains_a_lora_policy(episode_run):
+    """The calculator an OpenEnv `Environment` behind rl_tpu's OpenEnvTool, named in a verl tools YAML, one
+    environment per episode (`lifetime: episode`: created at its first call, released at its end, its calls routed
+    to the worker holding it). The policy is a LoRA adapter (a large learning rate, so that each version differs):
+    after every adapter-only sync the engine serves the episodes' model tokens with the trainer's logprobs.
+    (A reasoning-gym task with the tool: tests/e2e/test_chat_episodes_e2e.py.)"""
+    run = episode_run / "openenv"
     tools = yaml.safe_load((REPO / "examples/tools/openenv_calculator.yaml").read_text())
     tools["tools"][0]["config"]["lifetime"] = "episode"
     (run / "tools").mkdir(parents=True)
@@ -92,13 +88,7 @@ def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_trains_a_l
         run,
         episode_run / "cache",
         "trainer.total_steps=2",
-        "data.reasoning_gym.task=basic_arithmetic",  # short questions: the tiny model has 128 positions
-        "+data.reasoning_gym.config={max_terms: 2, max_digits: 2}",
-        "data.reasoning_gym.size=32",
-        "data.reasoning_gym.system_prompt=null",
-        "reward.name=reasoning_gym",
-        "data.train_batch_size=8",  # 128 episodes: the warm start's calls are rarer on reasoning-gym's wording
-        "sampler.n=8",
+        "data.train_batch_size=8",  # 64 episodes a step
         "episode.function_tool_path=null",  # the recipe's calc function: the OpenEnv tool has its name
         f"trainer.rollout_data_dir={run / 'rollouts'}",
         "actor.lora.lora_rank=8",
@@ -112,5 +102,5 @@ def test_a_reasoning_gym_task_with_an_openenv_environment_as_the_tool_trains_a_l
     assert sum(r.get("episode/tool/calc/calls", 0) for r in rows) > 0, "the OpenEnv calculator was never called"
     assert all(r.get("episode/tool/calc/failures", 0) == 0 for r in rows)  # none lost, none refused
     dumped = [json.loads(line) for line in (run / "rollouts" / "1.jsonl").read_text().splitlines()]
-    assert dumped and all(row["input"].startswith("Calculate ") for row in dumped)  # reasoning-gym's question
+    assert dumped and all(" * " in row["input"] for row in dumped)  # the recipe's products
     assert all(0.0 <= row["score"] <= 1.0 for row in dumped)

@@ -1,5 +1,6 @@
 """The learning regression test: GRPO's reward curve, for three loss modes, stays in a band around the one
-recorded in tests/fixtures/learning_curves.json, and a broken run (learning rate 0) is caught.
+recorded in tests/fixtures/learning_curves.json (that a curve leaving the band fails the check:
+tests/unit/test_learning_check.py).
 
 One sweep of real runs (vLLM engine, FSDP2 trainer, Ray launcher), 12 steps each, from random weights on a
 reward they can learn in seconds (tests/fixtures/rewards/digits.py); benchmarks/learning_curves.py runs it
@@ -29,7 +30,7 @@ def learning_check(tmp_path_factory, ray_cluster) -> tuple[subprocess.CompletedP
             "--work",
             str(work / "sweep"),
             "--cases",
-            "vanilla,gspo,cispo,lr_zero:vanilla",
+            "vanilla,gspo,cispo",
             "--out",
             str(work / "check.json"),
         ],
@@ -47,12 +48,3 @@ def test_the_reward_curve_stays_in_its_recorded_band(learning_check, case):
     _, results = learning_check
     assert results[case]["ok"], results[case]["message"]
     assert results[case]["blocks"][-1] > results[case]["blocks"][0] + 0.15  # it learned: the reward rose
-
-
-def test_a_run_that_learns_nothing_fails_and_says_how_far_its_curve_moved(learning_check):
-    result, results = learning_check
-    frozen = results["lr_zero"]
-    assert not frozen["ok"] and result.returncode == 1
-    assert "lr_zero: the reward curve left the band around vanilla's recorded curve: it moved -" in frozen["message"]
-    assert frozen["message"] in result.stdout
-    assert max(frozen["blocks"]) - min(frozen["blocks"]) < 0.1  # flat: the weights never changed
