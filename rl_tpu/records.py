@@ -12,9 +12,30 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
+
+
+class Outcome(StrEnum):
+    """How a rollout ended, which decides what the learning signal does with it (`algorithm.outcomes`,
+    rl_tpu/algorithms/outcomes.py). Listed in precedence: a rollout that met several carries the first of them."""
+
+    lost = "lost"  # a per-episode tool instance was lost with its worker: its state and tool reward are gone
+    reward_error = "reward_error"  # a reward raised, returned something that is not a finite number, or crashed
+    timeout = "timeout"  # a reward or a tool call ran past its deadline
+    # a tool raised on arguments the model wrote well, returned garbage, or its worker was down: the environment's
+    # fault (an unknown tool or arguments that fail its schema are the model's: `EpisodeStats.malformed_calls`)
+    tool_failure = "tool_failure"
+    truncated = "truncated"  # cut at a length or turn limit (finish_reason "length")
+    scored = "scored"  # none of these: its reward is what its tokens earned
+
+    @classmethod
+    def first(cls, *kinds: str | None) -> Outcome:
+        """The kind that decides among several (None: nothing happened; scored when all are None)."""
+        order = list(cls)
+        return min((cls(k) for k in kinds if k is not None), key=order.index, default=cls.scored)
 
 
 @dataclass
@@ -36,6 +57,9 @@ class EpisodeStats:
     # and tool reward are gone, and it is left out of the loss (None: nothing lost)
     lost_instance: str | None = None
     dropped_result_tokens: int = 0  # a tool result that did not fit (the episode ended, truncated): its tokens
+    # times the episode was played again in fresh tool instances (`algorithm.outcomes.<kind>=retry`); the other
+    # fields are its last play's
+    retries: int = 0
 
 
 @dataclass
@@ -52,8 +76,12 @@ class Rollout:
     # per completion token: 1 sampled by the model (in the loss), 0 appended by the environment; None: all sampled
     model_mask: list[int] | None = None
     episode: EpisodeStats | None = None  # multi-turn episodes only
+    # how it ended (`Outcome`): set by the episode loop (tool failures, lost instances) and after grading (a reward's
+    # failure); None, or anything that decides less than truncation: truncated when finish_reason is "length"
+    outcome: str | None = None
 
     def __post_init__(self) -> None:
+        self.outcome = Outcome.first(self.outcome, Outcome.truncated if self.finish_reason == "length" else None)
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"rollout has {len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"
@@ -62,6 +90,10 @@ class Rollout:
             raise ValueError(
                 f"rollout has {len(self.completion_ids)} completion tokens but a model mask of {len(self.model_mask)}"
             )
+
+    def with_outcome(self, kind: str | None) -> Rollout:
+        """This rollout, carrying `kind` where that decides before its own outcome (None: unchanged)."""
+        return dataclasses.replace(self, outcome=Outcome.first(self.outcome, kind))
 
     def answer_ids(self) -> list[int]:
         """What an outcome reward reads: the completion, or an episode's final model turn before its first tool

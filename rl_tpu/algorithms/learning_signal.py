@@ -8,11 +8,15 @@
 - dynamic sampling (`algorithm.filter_groups`): a group whose rewards are all equal has zero advantage under
   group-normalised estimators and teaches nothing, so it is dropped and more prompts are generated until the batch
   holds `data.train_batch_size` groups that vary;
+- the rollouts' outcomes (`algorithm.outcomes`, rl_tpu/algorithms/outcomes.py): a row whose outcome's policy is
+  mask, or whose group's is fail_group, does not count: out of the loss and of the statistics of the advantages
+  (and of dynamic sampling's judgement of a group's variation);
 - overlong filtering (`algorithm.overlong_filter`): truncated completions stay in their group's statistics but are
-  left out of the loss, as is an episode that lost its tool instance;
+  left out of the loss;
 - the KL in the reward (`algorithm.use_kl_in_reward`, `kl_reward`): the trainer holds the reference model, so the
   controller passes its per-token KL as a callable;
-- the advantages (`core.advantages`; an episode's on its model tokens, `core.on_model_tokens`).
+- the advantages (`core.advantages`; an episode's on its model tokens, `core.on_model_tokens`), of the rows that
+  count; the others get 0.
 The controller grades (it holds the grader) and calls `score`, `select` and `train_batch`
 (rl_tpu/controller/step.py). This module reads the graded rollouts through the `Graded` protocol: the grader's
 `Grades` and the controller's `GradedBatch` sit above this layer.
@@ -24,9 +28,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from rl_tpu.algorithms import core
+from rl_tpu.algorithms import core, outcomes
 from rl_tpu.algorithms.kl_reward import KLInReward
-from rl_tpu.config import FilterGroupsConfig, RunConfig
+from rl_tpu.config import AlgorithmConfig, FilterGroupsConfig, RunConfig
 from rl_tpu.config.reward import OverlongBufferConfig
 from rl_tpu.records import Rollout, TrainBatch
 
@@ -77,40 +81,25 @@ def buffer_length(buffer: OverlongBufferConfig, max_length: int) -> int:
     return buffer.len if buffer.len is not None else max(1, max_length // 5)
 
 
-def fill_with_varied_groups(generated: G, target: int, metric: str | None, last_try: bool) -> tuple[G | None, int]:
-    """`target` groups whose values (a named reward component, or the score) vary, the earliest first; None while
-    there are fewer and more may come.
+def fill_with_varied_groups(
+    generated: G, target: int, metric: str | None, last_try: bool, counts: list[bool] | None = None
+) -> tuple[G | None, int]:
+    """`target` groups whose values (a named reward component, or the score) vary over their rows that count
+    (`counts`, by the rollouts' outcomes; None: all), the earliest first; None while there are fewer and more may
+    come.
 
     On the last try, groups without variation fill what is missing (their group-normalised advantage is
     zero, so they add tokens but no gradient), keeping the batch's size. Returns the batch and how many
     groups in it vary."""
     values = generated.grades.scores if metric is None else generated.grades.components[metric]
     members = generated.groups()
-    varied = [g for g, rows in members.items() if len({values[i] for i in rows}) > 1]
+    counts = counts or [True] * len(values)
+    varied = [g for g, rows in members.items() if len({values[i] for i in rows if counts[i]}) > 1]
     if len(varied) < target and not last_try:
         return None, len(varied)
     chosen, varying = varied[:target], set(varied)
     chosen += [g for g in members if g not in varying][: target - len(chosen)]
     return generated.take_groups(sorted(chosen)), min(len(varied), target)
-
-
-def lost(rollout: Rollout) -> bool:
-    """An episode whose tool instance was lost with its worker: its state and tool reward are gone."""
-    return rollout.episode is not None and rollout.episode.lost_instance is not None
-
-
-def loss_mask(rollouts: list[Rollout], overlong_filter: bool) -> list[bool] | None:
-    """Per sequence, whether it is in the loss (None: all are). Overlong filtering leaves truncated completions out,
-    and an episode that lost its tool instance is always left out: its reward is not what its actions earned."""
-    keep = [not (overlong_filter and r.finish_reason == "length") and not lost(r) for r in rollouts]
-    return keep if overlong_filter or not all(keep) else None
-
-
-def advantage_groups(rollouts: list[Rollout]) -> list[int]:
-    """Each sequence's group for the advantages: an episode that lost its tool instance is alone in a group of its
-    own, so that its unknown reward does not move its prompt's statistics (it is out of the loss)."""
-    alone = max(r.group for r in rollouts) + 1
-    return [alone + i if lost(r) else r.group for i, r in enumerate(rollouts)]
 
 
 def validate(
@@ -156,7 +145,8 @@ class LearningSignal:
         if not groups.enable:
             return generated, None
         last_try = batches >= groups.max_num_gen_batches
-        return fill_with_varied_groups(generated, self.cfg.data.train_batch_size, groups.metric, last_try)
+        counts = outcomes.counted(generated.rollouts, self.cfg.algorithm.outcomes)
+        return fill_with_varied_groups(generated, self.cfg.data.train_batch_size, groups.metric, last_try, counts)
 
     def train_batch(
         self, graded: Graded, token_kl: Callable[[TrainBatch], list[list[float]]]
@@ -164,7 +154,8 @@ class LearningSignal:
         """The batch the trainer learns from, advantages in, and the KL in the reward's metrics. `token_kl`: each
         completion token's KL to the reference model (the trainer computes it), called only when the reward holds
         the KL, on the batch before its advantages."""
-        rollouts, grades, cfg = graded.rollouts, graded.grades, self.cfg
+        rollouts, cfg = graded.rollouts, self.cfg
+        counts = outcomes.counted(rollouts, cfg.algorithm.outcomes)
         lengths = [len(r.completion_ids) for r in rollouts]
         masks = [r.model_mask for r in rollouts] if cfg.episode.enable else None  # tool results: out of the loss
         batch = TrainBatch(
@@ -175,11 +166,38 @@ class LearningSignal:
             temperature=cfg.sampler.temperature,
             rollout_is=core.rollout_is_level(cfg.actor, cfg.trainer.is_async),
             rollout_is_threshold=cfg.actor.rollout_is_threshold,
-            loss_mask=loss_mask(rollouts, cfg.algorithm.overlong_filter),
+            loss_mask=outcomes.loss_mask(rollouts, counts, cfg.algorithm.overlong_filter),
             model_masks=masks,
         )
         penalties, metrics = self.kl.penalties(token_kl(batch), masks) if self.kl else (None, {})
-        advantages = core.advantages(
-            grades.scores, advantage_groups(rollouts), lengths, cfg.algorithm, grades.components, penalties, masks
-        )
+        advantages = counted_advantages(graded, counts, cfg.algorithm, penalties, masks)
+        metrics = {**metrics, **outcomes.batch_metrics(rollouts, counts)}
         return dataclasses.replace(batch, advantages=advantages), metrics
+
+
+def counted_advantages(
+    graded: Graded,
+    counts: list[bool],
+    algorithm: AlgorithmConfig,
+    penalties: list[list[float]] | None,
+    masks: list[list[int]] | None,
+) -> list[list[float]]:
+    """The advantages of the rows that count, computed as if the others had not been generated (every estimator's
+    statistics, a group's or the batch's, are of the rows that count); the others get 0."""
+    rows = [i for i, c in enumerate(counts) if c]
+
+    def only(values: list | None) -> list | None:
+        return None if values is None else [values[i] for i in rows]
+
+    lengths = [len(r.completion_ids) for r in graded.rollouts]
+    advantages = [[0.0] * n for n in lengths]
+    if not rows:  # no row counts: nothing to normalise, nothing trained on
+        return advantages
+    components = {name: only(values) for name, values in graded.grades.components.items()}
+    groups = [r.group for r in graded.rollouts]
+    computed = core.advantages(
+        only(graded.grades.scores), only(groups), only(lengths), algorithm, components, only(penalties), only(masks)
+    )
+    for i, values in zip(rows, computed, strict=True):
+        advantages[i] = values
+    return advantages

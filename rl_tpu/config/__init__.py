@@ -18,13 +18,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from rl_tpu.config.actor import ActorConfig, PolicyLossConfig, RolloutCorrectionConfig
-from rl_tpu.config.algorithm import AlgorithmConfig, FilterGroupsConfig, KLControlConfig
+from rl_tpu.config.algorithm import AlgorithmConfig, FilterGroupsConfig, KLControlConfig, OutcomesConfig
 from rl_tpu.config.choices import (
     DeviceKind,
     DType,
     Layout,
     LossAggMode,
     OldLogprobSource,
+    OutcomePolicy,
     PinCores,
     ResumeMode,
     RolloutIS,
@@ -57,6 +58,8 @@ __all__ = [
     "LossAggMode",
     "ModelConfig",
     "OldLogprobSource",
+    "OutcomePolicy",
+    "OutcomesConfig",
     "PinCores",
     "PolicyLossConfig",
     "RayConfig",
@@ -99,7 +102,15 @@ class RunConfig:
 
     def check(self) -> None:
         """Every section's own checks again (they run when a section is made; a program may have changed it)."""
-        for section in (self.data, self.sampler, self.episode, self.actor, self.trainer, self.reward):
+        for section in (
+            self.data,
+            self.sampler,
+            self.episode,
+            self.actor,
+            self.algorithm.outcomes,
+            self.trainer,
+            self.reward,
+        ):
             section.__post_init__()
 
     @property

@@ -1,9 +1,22 @@
-"""The `algorithm` section: the advantage estimator, the reward's KL penalty, dynamic sampling and the optimizer."""
+"""The `algorithm` section: the advantage estimator, the reward's KL penalty, dynamic sampling, what each rollout
+outcome does, and the optimizer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from rl_tpu.config.choices import OutcomePolicy
+
+# kind -> (the policies it may not have, why): a truncation is the model's doing (retrying it until the model stops
+# in time would train on its short answers only); a lost instance's reward is unknown (a zero is not what it earned)
+REFUSED_POLICIES = {
+    "truncated": (
+        ("retry",),
+        "a truncation is the model's doing: drawing again until it stops in time would train on short answers only",
+    ),
+    "lost": (("zero",), "a lost instance's reward is unknown: its zero is not what the episode earned"),
+}
 
 
 @dataclass
@@ -27,6 +40,55 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class OutcomesConfig:
+    """What the learning signal does with a rollout of each outcome (`rl_tpu.records.Outcome`; a scored one is
+    trained on): retry, mask, fail_group or zero (docs/algorithms.md#rollout-outcomes gives each default's reason)."""
+
+    reward_error: OutcomePolicy = OutcomePolicy.mask  # a reward raised, returned a non-number or crashed its worker
+    timeout: OutcomePolicy = OutcomePolicy.mask  # a reward or a tool call ran past its deadline
+    tool_failure: OutcomePolicy = OutcomePolicy.mask  # a tool raised on well-formed arguments, or its worker was down
+    truncated: OutcomePolicy = OutcomePolicy.zero  # cut at a length or turn limit (retry is refused)
+    lost: OutcomePolicy = OutcomePolicy.mask  # a per-episode tool instance lost with its worker (zero is refused)
+    max_retries: int = 2  # times a rollout of a retried outcome is played or graded again, at most
+    fallback: OutcomePolicy = OutcomePolicy.mask  # a retried outcome's policy once its retries ran out (not retry)
+
+    def policy(self, kind: str) -> OutcomePolicy:
+        """The policy that decides a rollout of `kind` in a batch: a retried kind's rollout that is still of that kind
+        has used its retries, so its fallback decides; a scored rollout is trained on (zero: as graded)."""
+        if kind == "scored":
+            return OutcomePolicy.zero
+        chosen = OutcomePolicy(getattr(self, kind))
+        return OutcomePolicy(self.fallback) if chosen == OutcomePolicy.retry else chosen
+
+    def retried(self, kind: str | None) -> bool:
+        """Whether a rollout of `kind` is played or graded again (while it has retries left)."""
+        return kind not in (None, "scored") and getattr(self, kind) == OutcomePolicy.retry
+
+    def __post_init__(self) -> None:
+        kinds = ("reward_error", "timeout", "tool_failure", "truncated", "lost")
+        allowed = ", ".join(OutcomePolicy)
+        for key in (*kinds, "fallback"):
+            if getattr(self, key) not in set(OutcomePolicy):
+                raise ValueError(f"algorithm.outcomes.{key}={getattr(self, key)!r}: allowed values are {allowed}")
+        for kind, (refused, why) in REFUSED_POLICIES.items():
+            if getattr(self, kind) in refused:
+                rest = ", ".join(p for p in OutcomePolicy if p not in refused)
+                raise ValueError(f"algorithm.outcomes.{kind}={getattr(self, kind)}: {why}; allowed values are {rest}")
+        if self.fallback == OutcomePolicy.retry:
+            raise ValueError("algorithm.outcomes.fallback=retry: allowed values are mask, fail_group, zero")
+        if self.lost == OutcomePolicy.retry and self.fallback == OutcomePolicy.zero:
+            raise ValueError(
+                f"algorithm.outcomes.fallback=zero with algorithm.outcomes.lost=retry: {REFUSED_POLICIES['lost'][1]}; "
+                "set the fallback to mask or fail_group"
+            )
+        if self.max_retries < 0 or (self.max_retries == 0 and any(self.retried(k) for k in kinds)):
+            raise ValueError(
+                f"algorithm.outcomes.max_retries={self.max_retries} must be >= 0, and >= 1 where an outcome is set to "
+                "retry"
+            )
+
+
+@dataclass
 class AlgorithmConfig:
     # verl's estimator: grpo, rloo, opo, gpg, gdpo, grpo_passk, reinforce_plus_plus(_baseline), grpo/rloo_vectorized.
     # verl's others need a critic or inputs rl_tpu does not make (algorithms.registry); or an import path mod:fn
@@ -38,7 +100,9 @@ class AlgorithmConfig:
     gdpo_reward_keys: Optional[list[str]] = None
     gdpo_reward_weights: Optional[list[float]] = None
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    overlong_filter: bool = False  # DAPO's overlong filtering: truncated completions are left out of the loss
+    # DAPO's overlong filtering: truncated completions are left out of the loss (kept in their group's statistics)
+    overlong_filter: bool = False
+    outcomes: OutcomesConfig = field(default_factory=OutcomesConfig)  # what each rollout outcome does
     # each token's reward less kl_ctrl's coefficient times its KL to the reference model (the initial weights),
     # before the advantages, as verl's apply_kl_penalty (rl_tpu/algorithms/kl_reward.py)
     use_kl_in_reward: bool = False

@@ -75,3 +75,14 @@ class RolloutIS(StrEnum):
     token = "token"  # per-token truncated importance weights (TIS)
     sequence = "sequence"  # one weight per sequence: the product of its token ratios, truncated
     off = "off"
+
+
+class OutcomePolicy(StrEnum):
+    """What the learning signal does with a rollout of one outcome (`algorithm.outcomes`, docs/algorithms.md)."""
+
+    # play it again in fresh tool instances (a tool's failure, timeout or lost instance) or grade it again (a reward's
+    # failure or timeout), up to algorithm.outcomes.max_retries times; then algorithm.outcomes.fallback
+    retry = "retry"
+    mask = "mask"  # out of the loss and out of its group's mean and standard deviation
+    fail_group = "fail_group"  # its whole group out of the loss and of the statistics
+    zero = "zero"  # trained on with the reward it got (a failed reward's 0.0)

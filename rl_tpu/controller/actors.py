@@ -239,7 +239,15 @@ def episode_options(cfg: RunConfig, max_model_len: int) -> EpisodeOptions | None
     limits = EpisodeLimits(
         e.max_turns, cfg.completion_tokens, cfg.sampler.response_length, max_model_len, e.max_parallel_calls
     )
-    return EpisodeOptions(limits, tool_settings(cfg), e.tool_parser, e.renderer, e.tool_response_format, tuple(e.stop))
+    return EpisodeOptions(
+        limits,
+        tool_settings(cfg),
+        e.tool_parser,
+        e.renderer,
+        e.tool_response_format,
+        tuple(e.stop),
+        cfg.algorithm.outcomes,
+    )
 
 
 def adapter_serving(cfg: RunConfig) -> AdapterServing | None:

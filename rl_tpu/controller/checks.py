@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rl_tpu.algorithms import core as algorithms
-from rl_tpu.algorithms import kl_reward, learning_signal, registry
+from rl_tpu.algorithms import kl_reward, learning_signal, outcomes, registry
 from rl_tpu.cluster import placement
 from rl_tpu.cluster.cores import engine_threads
 from rl_tpu.cluster.device import Device
@@ -27,6 +27,7 @@ def validate(cfg: RunConfig) -> None:
     learning_signal.validate(
         cfg.algorithm.filter_groups, reward_names, cfg.reward.overlong_buffer, cfg.completion_tokens
     )
+    outcomes.validate(cfg.algorithm)
     if cfg.trainer.resume_from:
         # names the folder if there is nothing to resume, and refuses a checkpoint that would run code
         check_metadata(checkpoints.latest(Path(cfg.trainer.resume_from).expanduser()))

@@ -116,6 +116,7 @@ def dump_rows(batch: GradedBatch, tokenizer) -> list[dict]:
             "gts": example.ground_truth,
             "score": score,
             "weight_version": rollout.weight_version,
+            "outcome": str(rollout.outcome),
             "input_ids": rollout.prompt_ids,
             "output_ids": rollout.completion_ids,
         }
@@ -272,6 +273,7 @@ def next_graded(
         check_versions(step, rollouts, queue.cfg)
     with phases("grade"):
         grades = signal.score(grade(rollouts, prompts, tokenizer, grader).result(), rollouts)
+        rollouts = [r.with_outcome(kind) for r, kind in zip(rollouts, grades.outcomes(), strict=True)]
     return GradedBatch(prompts, rollouts, grades), pending.shares()
 
 

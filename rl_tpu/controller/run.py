@@ -264,7 +264,7 @@ def run(
     for key, (old, new) in sorted(changed.items()):
         log.info("resuming from %s with %s=%r (it was written with %r)", resuming, key, new, old)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    grader = Grader(cfg.reward, cfg.custom_reward_function, str(run_dir / "logs"))
+    grader = Grader(cfg.reward, cfg.custom_reward_function, str(run_dir / "logs"), cfg.algorithm.outcomes)
     show_progress = show_progress and Tracker.console in cfg.trainer.logger
     logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress, tracking.for_run(cfg, run_dir), started)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+from rl_tpu.algorithms import outcomes
 from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.config import RunConfig
 from rl_tpu.controller.actors import ActorHandles
@@ -62,6 +63,7 @@ def rollout_metrics(step: int, sampled: StepRollouts) -> dict[str, float]:
         "response/length_mean": sum(len(r.completion_ids) for r in generated) / len(generated),
         "response/truncated_frac": statistics.fmean(r.finish_reason == "length" for r in generated),
         **episode_metrics(generated, "episode"),
+        **outcomes.step_metrics(generated, sampled.generated.grades.retries),
         "rollout/weight_version": float(oldest_used),
         "rollout/staleness": float(step - 1 - oldest_used),
     }

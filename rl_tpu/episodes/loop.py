@@ -11,7 +11,13 @@ loop records where each model turn starts and where the final one's answer ends,
 A tool with an instance per episode (`lifetime: episode`, a stateful environment) is created by the episode's
 first call of it and released when the episode ends, with the next turn's calls (the rest when the batch ends).
 An episode whose instance was lost with its worker after a call of it succeeded (its state and reward are gone)
-is marked (`EpisodeStats.lost_instance`): the controller leaves it out of the loss.
+is marked (`EpisodeStats.lost_instance`).
+
+Each episode's outcome (`Rollout.outcome`) records the worst its tools did (`tools.failure_outcome`: `lost`,
+`timeout`, `tool_failure`; the model's malformed calls leave it scored). An episode whose outcome
+`algorithm.outcomes` sets to retry is played again once the batch's episodes ended, in fresh tool instances, with
+its own seed (the same draws where the engine is deterministic: the episode the model would have played in a
+working environment), up to `algorithm.outcomes.max_retries` times (`EpisodeStats.retries`).
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rl_tpu.config import OutcomesConfig
 from rl_tpu.data.datasets import derived_seed
 from rl_tpu.episodes.render import Renderer, make_renderer
 from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease
-from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolResult, ToolSettings
-from rl_tpu.records import EpisodeStats, Rollout
+from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolResult, ToolSettings, failure_outcome
+from rl_tpu.records import EpisodeStats, Outcome, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +141,7 @@ class Episode:
     key: str = ""  # unique in the engine's life: names its instances of per-episode tools
     open_tools: set[str] = field(default_factory=set)  # per-episode tools it called, not yet released
     succeeded_tools: set[str] = field(default_factory=set)  # per-episode tools it called successfully
+    outcome: Outcome | None = None  # the worst its tools did (None: nothing failed that was not the model's doing)
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.ids
@@ -174,14 +182,38 @@ class Episode:
             self.group,
             self.mask,
             self.stats,
+            self.outcome,
+        )
+
+    def again(self) -> Episode:
+        """This episode to be played again from its prompt, in fresh tool instances (a key of its own)."""
+        retries = self.stats.retries + 1
+        stats = EpisodeStats(turns=0, retries=retries)
+        return Episode(
+            self.prompt_ids,
+            self.seed,
+            self.sample,
+            self.group,
+            self.tools_kwargs,
+            stats=stats,
+            key=f"{self.key}/retry{retries}",
         )
 
 
 class EpisodeRunner:
     """Runs a batch of episodes on one engine, given how to run one turn of several episodes."""
 
-    def __init__(self, limits: EpisodeLimits, parser: ToolCallParser, tools: ToolBox, renderer: Renderer):
+    def __init__(
+        self,
+        limits: EpisodeLimits,
+        parser: ToolCallParser,
+        tools: ToolBox,
+        renderer: Renderer,
+        outcomes: OutcomesConfig | None = None,
+    ):
+        """`outcomes`: which episodes are played again, and how often (None: none)."""
         self.limits, self.parser, self.tools, self.renderer = limits, parser, tools, renderer
+        self.outcomes = outcomes or OutcomesConfig()
 
     def run(
         self,
@@ -199,15 +231,32 @@ class EpisodeRunner:
             for sample in range(samples)
         ]
         self.tools.begin_batch()
+        playing = episodes
         try:
-            while live := [e for e in episodes if not e.done]:
-                calling = self._model_turn(live, generate)
-                self._tool_turn(calling, ending=[e for e in live if e.done and e.open_tools])
-        finally:  # what is still open: episodes that ended on a tool turn, or all of them if the batch failed
+            while playing:
+                self._play(playing, generate)
+                playing = self._again(episodes)
+        finally:  # what is still open if the batch failed
             self._tool_turn([], ending=[e for e in episodes if e.open_tools])
         self.tools.end_batch()  # past episode.max_tool_failure_rate the run stops, naming the tool
         self._log_dropped_results(episodes)
         return [e.rollout() for e in episodes]
+
+    def _play(self, episodes: list[Episode], generate) -> None:
+        """Turns until every episode ended, then the release of what they still hold (where a lost one shows)."""
+        while live := [e for e in episodes if not e.done]:
+            calling = self._model_turn(live, generate)
+            self._tool_turn(calling, ending=[e for e in live if e.done and e.open_tools])
+        self._tool_turn([], ending=[e for e in episodes if e.open_tools])  # those that ended on a tool turn
+
+    def _again(self, episodes: list[Episode]) -> list[Episode]:
+        """The episodes to play again (their outcome set to retry, retries left), replacing theirs in `episodes`."""
+        again = []
+        for i, episode in enumerate(episodes):
+            if self.outcomes.retried(episode.outcome) and episode.stats.retries < self.outcomes.max_retries:
+                episodes[i] = episode.again()
+                again.append(episodes[i])
+        return again
 
     def _log_dropped_results(self, episodes: list[Episode]) -> None:
         """One line for the batch's episodes that ended because a tool result did not fit (counted per episode)."""
@@ -257,6 +306,7 @@ class EpisodeRunner:
     def _count(episode: Episode, name: str, result: ToolResult) -> None:
         if result.failure:
             episode.stats.tool_failures[name] = episode.stats.tool_failures.get(name, 0) + 1
+            episode.outcome = Outcome.first(episode.outcome, failure_outcome(result.failure))
         if result.failure == "lost":
             episode.stats.lost_instance = name
         episode.stats.tool_reward += result.reward
@@ -309,6 +359,7 @@ class EpisodeOptions:
     renderer: str  # auto | chat | plain
     tool_response_format: str  # plain renderer
     stop: tuple[str, ...]  # strings that end a model turn (kept in its ids)
+    outcomes: OutcomesConfig | None = None  # which episodes are played again (`algorithm.outcomes`)
 
 
 def build_runner(options: EpisodeOptions, tokenizer: Any, model_type: str | None) -> EpisodeRunner:
@@ -322,4 +373,4 @@ def build_runner(options: EpisodeOptions, tokenizer: Any, model_type: str | None
     except Exception:
         tools.close()
         raise
-    return EpisodeRunner(options.limits, parser, tools, renderer)
+    return EpisodeRunner(options.limits, parser, tools, renderer, options.outcomes)

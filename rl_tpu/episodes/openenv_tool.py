@@ -39,6 +39,8 @@ from pydantic import ValidationError
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
+from rl_tpu.episodes.refusals import BadArguments
+
 OBSERVATION_BOOKKEEPING = ("done", "reward", "metadata")  # OpenEnv's own Observation fields, not the model's text
 
 
@@ -128,8 +130,9 @@ class RemoteEnvironment:
     async def step(self, action: Any) -> tuple[dict, Optional[float], bool]:
         try:
             result = await self.client.step(action)
-        except RuntimeError as err:  # the server refused the action: one line for the model, not a report
-            raise ValueError(" ".join(str(err).split())) from None
+        except RuntimeError as err:  # the server refused the action or failed: one line for the model, not a report
+            line = " ".join(str(err).split())
+            raise (BadArguments if "(code: VALIDATION_ERROR)" in line else ValueError)(line) from None
         return result.observation, result.reward, bool(result.done)
 
     async def close(self) -> None:
@@ -200,7 +203,7 @@ class OpenEnvTool(BaseTool):
             action = self.action(**parameters)
         except ValidationError as err:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in err.errors())
-            raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
+            raise BadArguments(f"invalid arguments for {self.name}: {problems}") from None
         return action.model_dump(mode="json", exclude={"metadata"}) if self.base_url else action
 
     async def release(self, instance_id: str, **kwargs) -> None:

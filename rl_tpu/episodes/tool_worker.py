@@ -6,7 +6,9 @@ Started by `rl_tpu.episodes.tools.ToolBox` through `rl_tpu.cluster.worker_pool` 
 agent loop does (``create(create_kwargs=...)``, ``execute``, then ``calc_reward`` and ``release`` on the same
 instance); a function tool is called with the arguments. Every outcome is a message: ``("ok", text, reward)``
 or ``("fail", kind, message)`` with kind ``unknown_tool``, ``bad_arguments``, ``exception``, ``invalid`` or
-``lost``.
+``lost``. ``bad_arguments`` is the model's mistake: arguments that are not a JSON object, miss a parameter the
+tool's schema requires, or that the tool refuses by raising `rl_tpu.episodes.refusals.BadArguments` (`OpenEnvTool`
+does for an action its class or server refuses); anything else a tool raises is an ``exception``, the tool's failure.
 
 A `BaseTool` whose YAML config says ``lifetime: episode`` keeps one instance per episode instead (a stateful
 environment: a game, a shell, a database): its episode's first call creates it, every call of that episode runs
@@ -44,6 +46,7 @@ from typing import Any, Awaitable, Iterator
 
 from rl_tpu.cluster.call_deadlines import CallTimeout, Deadlines
 from rl_tpu.cluster.worker_pool import serve
+from rl_tpu.episodes.refusals import BadArguments
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,9 @@ async def run_call(worker: ToolWorker, call: ToolCall) -> tuple:
             raise TypeError(f"arguments must be a JSON object, got {type(arguments).__name__}")
     except (json.JSONDecodeError, TypeError) as err:
         return ("fail", "bad_arguments", f"Invalid JSON in arguments for {call.name!r}: {err}")
+    missing = [name for name in tool.tool_schema.function.parameters.required if name not in arguments]
+    if missing:
+        return ("fail", "bad_arguments", f"Missing required arguments for {call.name!r}: {', '.join(missing)}")
     if isinstance(tool, FunctionTool):
         work = _run_function_tool(tool, call, arguments)
     elif call.episode is not None:
@@ -316,6 +322,8 @@ async def contained(work: Awaitable[tuple[str, float]]) -> tuple:
         text, reward = await work
     except InvalidResult as err:
         return ("fail", "invalid", str(err))
+    except BadArguments as err:
+        return ("fail", "bad_arguments", str(err))
     except LostInstance as err:
         return ("fail", "lost", str(err))
     except CallTimeout as err:

@@ -9,8 +9,13 @@ worker that holds it, and so does its release. Each worker runs up to `calls_per
 
 Only when more than `episode.max_tool_failure_rate` of a batch's tool calls fail, or its first calls all do, does
 the run stop, with `ToolError` naming the tool that failed most and its first failure: the reward workers' rule
-(`reward.max_failure_rate`). The model's own mistakes (an unknown tool, bad JSON) are not the tool's failures, and
-neither is a call that found its episode's instance lost (the failure that lost it was counted).
+(`reward.max_failure_rate`). The model's own mistakes (an unknown tool, arguments that are not JSON, not an object,
+miss a parameter the schema requires, or that the tool refuses as such) are not the tool's failures, and neither is
+a call that found its episode's instance lost (the failure that lost it was counted).
+
+A failed call also types its episode's outcome (`failure_outcome`): a tool's failure on arguments the model wrote
+well is the environment's fault, not the model's (`tool_failure`, or `timeout` past its deadline, or `lost`); the
+model's mistakes leave it scored, as the model reads why and the reward judges what it did next.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from rl_tpu.cluster.call_deadlines import POOL_GRACE_S
 from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
 from rl_tpu.config.episode import EpisodeConfig
 from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease, ToolSetup, ToolSources, ToolsReady
+from rl_tpu.records import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,13 @@ class ToolResult:
     text: str  # what the model reads
     reward: float  # the step reward of `execute` plus `calc_reward` (0 for a failed call)
     failure: str | None = None  # the failure's kind, None when the call succeeded
+
+
+def failure_outcome(kind: str | None) -> Outcome | None:
+    """What a call's failure makes of its episode's outcome; None for a success or the model's own mistake."""
+    if kind is None or kind in MODEL_ERRORS:
+        return None
+    return {"lost": Outcome.lost, "timeout": Outcome.timeout}.get(kind, Outcome.tool_failure)
 
 
 def failure_text(call: ToolCall, kind: str, message: str) -> str:

@@ -5,8 +5,11 @@ in `reward.num_workers` processes (`rl_tpu.grader.processes`), so a plugin that 
 or leaks cannot take the run down: a sample whose reward runs past `reward.timeout_s` has
 its worker killed and replaced; a sample whose reward raised, timed out, killed its worker or
 returned something that is not a finite number scores 0.0, is counted, and is logged with
-its index and the error. Only when more than `reward.max_failure_rate` of one batch fails
-does the run stop, with `RewardError` naming the plugin and the first traceback.
+its index and the error; its rollout's outcome is `timeout` or `reward_error` (`Grades.outcomes`), which
+`algorithm.outcomes` decides. Where that says retry, the failed samples are graded again, up to
+`algorithm.outcomes.max_retries` times (a plugin that fails for a while, as a remote judge may, then scores). Only
+when more than `reward.max_failure_rate` of one batch still fails does the run stop, with `RewardError` naming the
+plugin and the first traceback.
 
 `Grader.submit` returns a `Grading`, so the controller can grade while the sampler generates; its `result`
 waits no longer than the workers may take for that many samples, then names the rewards it waited for.
@@ -26,8 +29,9 @@ from pathlib import Path
 
 from rewards import BUILTIN_REWARDS
 from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
-from rl_tpu.config import CustomRewardConfig, RewardConfig
+from rl_tpu.config import CustomRewardConfig, OutcomesConfig, RewardConfig
 from rl_tpu.grader.processes import RewardSource, Sample
+from rl_tpu.records import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +102,17 @@ def _source(name: str, weight: float, plugin: CustomRewardConfig | None) -> Rewa
 class Failure:
     index: int  # position of the sample in the graded batch
     reward: str
-    kind: str  # exception | invalid | timeout | crash
+    kind: str  # exception | invalid | timeout | crash | cancelled (the batch was stopped)
     message: str  # the traceback, or what was wrong
+
+    @property
+    def outcome(self) -> Outcome:
+        return failure_outcome(self.kind)
+
+
+def failure_outcome(kind: str) -> Outcome:
+    """What a failed grade makes of its rollout's outcome: a deadline is a timeout, the rest the reward's error."""
+    return Outcome.timeout if kind == "timeout" else Outcome.reward_error
 
 
 @dataclass
@@ -111,6 +124,12 @@ class Grades:
     extras: dict[str, list[float]]  # numeric extra fields of dict results, "reward/field"
     failures: list[Failure] = field(default_factory=list)
     seconds: float = 0.0
+    retries: int = 0  # samples graded again (algorithm.outcomes: retry), each time counted
+
+    def outcomes(self) -> list[Outcome | None]:
+        """Each sample's outcome by its grade: its failure's, or None where it scored."""
+        failed = {f.index: f.outcome for f in self.failures}
+        return [failed.get(i) for i in range(len(self.scores))]
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = {f"{prefix}/{name}": statistics.fmean(values) for name, values in self.components.items()}
@@ -135,6 +154,7 @@ class Grades:
             extras,
             failures,
             sum(part.seconds for part in parts),
+            sum(part.retries for part in parts),
         )
 
     def take(self, rows: list[int]) -> "Grades":
@@ -169,8 +189,16 @@ class Grading:
 
 
 class Grader:
-    def __init__(self, reward: RewardConfig, alias: CustomRewardConfig | None = None, log_dir: str | None = None):
-        """`log_dir`: where the workers' output goes (`reward_workers.log`, each worker's capped); None: stdout."""
+    def __init__(
+        self,
+        reward: RewardConfig,
+        alias: CustomRewardConfig | None = None,
+        log_dir: str | None = None,
+        outcomes: OutcomesConfig | None = None,
+    ):
+        """`log_dir`: where the workers' output goes (`reward_workers.log`, each worker's capped); None: stdout.
+        `outcomes`: which failures are graded again, and how often (None: none)."""
+        self.outcomes = outcomes or OutcomesConfig()
         self.sources = reward_sources(reward, alias or CustomRewardConfig())
         self.weights = {s.label: s.weight for s in self.sources}
         self.primary = self.sources[0].label
@@ -199,20 +227,38 @@ class Grader:
         """Grade in the background; the result is `Grades` (or `RewardError`)."""
         per_worker = math.ceil(len(samples) / self.pool.size)
         deadline = per_worker * (self.pool.timeout_s + WORKER_START_S) + WORKER_START_S
+        if any(self.outcomes.retried(kind) for kind in (Outcome.reward_error, Outcome.timeout)):
+            deadline *= 1 + self.outcomes.max_retries  # every sample failing, every time
         return Grading(self._thread.submit(self.grade, samples), len(samples), deadline, self.describe())
 
     def grade(self, samples: list[Sample]) -> Grades:
         start = time.perf_counter()
-        outcomes = self.pool.run(
-            samples,
-            self.batched,
-            lambda kind, message: ("fail", self.describe(), kind, message),
-            give_up=self._give_up,
-        )
+        outcomes = self.pool.run(samples, self.batched, self._failed, give_up=self._give_up)
+        retries = self._grade_again(samples, outcomes)
         grades = self._collect(outcomes)
-        grades.seconds = time.perf_counter() - start
+        grades.seconds, grades.retries = time.perf_counter() - start, retries
         self._report(grades, samples)
         return grades
+
+    def _failed(self, kind: str, message: str) -> tuple:
+        return ("fail", self.describe(), kind, message)
+
+    def _grade_again(self, samples: list[Sample], outcomes: list[tuple]) -> int:
+        """Grade the failed samples whose outcome is set to retry again, up to `max_retries` times, in place; returns
+        how many gradings that took. A batch stopped by the failure-rate stop is not (the plugin fails throughout)."""
+        if any(o[0] == "fail" and o[2] == "cancelled" for o in outcomes):
+            return 0
+        retries = 0
+        for _ in range(self.outcomes.max_retries):
+            again = [
+                i for i, o in enumerate(outcomes) if o[0] == "fail" and self.outcomes.retried(failure_outcome(o[2]))
+            ]
+            if not again:
+                break
+            for i, outcome in zip(again, self.pool.run([samples[i] for i in again], self.batched, self._failed)):
+                outcomes[i] = outcome
+            retries += len(again)
+        return retries
 
     def close(self) -> None:
         """Stop the workers; a batch under way (a second signal while a plugin hangs) is not waited for."""

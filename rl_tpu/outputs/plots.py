@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from rl_tpu.outputs.metrics import ELAPSED, read_metrics
+from rl_tpu.records import Outcome
 
 log = logging.getLogger(__name__)
 PLOTS_DIR = "plots"
@@ -131,6 +132,10 @@ RUN_PLOTS: dict[str, tuple[list[str], Callable[[Table, str], object]]] = {
     "response_length": (
         ["response/length_mean"],
         lambda t, title: lines_figure(t, f"{title}: response length", "tokens"),
+    ),
+    "outcomes": (  # log scale: a few failures beside a batch of scored rollouts
+        [*(f"outcome/{kind}" for kind in Outcome), "outcome/retries"],
+        lambda t, title: lines_figure(t, f"{title}: rollouts by outcome", "rollouts", True),
     ),
 }
 

@@ -1,9 +1,11 @@
 """`trainer.rollout_data_dir`: what each step trained on, one JSON Lines file per step, `<step>.jsonl`, with
 verl's rollout-dump fields (`input`, `output`, `gts`, `score`, `step`) and ours: `index`, the prompt's row in the
 training file, `weight_version`, the weights that sampled the completion, `answer`, the text the rewards read (the
-completion, or an episode's final turn before any tool call), `input_ids` and `output_ids`, the token ids the trainer
-scored (the text fields drop special tokens), and for an episode `turns`: its spans of `output_ids` in order, each
-{"role": "model" or "environment", "start", "end"}.
+completion, or an episode's final turn before any tool call), `outcome`, how the sample ended
+(`rl_tpu.records.Outcome`: scored, reward_error, tool_failure, timeout, truncated or lost; `algorithm.outcomes`
+decides whether it counted), `input_ids` and `output_ids`, the token ids the trainer scored (the text fields drop
+special tokens), and for an episode `turns`: its spans of `output_ids` in order, each {"role": "model" or
+"environment", "start", "end"}.
 
 A file is written whole or not at all (renamed into place); a step trained again after a crash overwrites its file,
 so the folder holds each step once.
