@@ -76,12 +76,16 @@ class Rollout:
     # per completion token: 1 sampled by the model (in the loss), 0 appended by the environment; None: all sampled
     model_mask: list[int] | None = None
     episode: EpisodeStats | None = None  # multi-turn episodes only
-    # how it ended (`Outcome`): set by the episode loop (tool failures, lost instances) and after grading (a reward's
-    # failure); None, or anything that decides less than truncation: truncated when finish_reason is "length"
+    # how it ended (`Outcome`): set by the episode loop (tool failures) and after grading (a reward's failure); lost
+    # where its episode lost an instance, truncated where finish_reason is "length", whatever it was given
     outcome: str | None = None
 
     def __post_init__(self) -> None:
-        self.outcome = Outcome.first(self.outcome, Outcome.truncated if self.finish_reason == "length" else None)
+        lost = self.episode is not None and self.episode.lost_instance is not None
+        truncated = self.finish_reason == "length"
+        self.outcome = Outcome.first(
+            self.outcome, Outcome.lost if lost else None, Outcome.truncated if truncated else None
+        )
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"rollout has {len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"

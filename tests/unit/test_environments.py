@@ -109,12 +109,12 @@ def test_an_openenv_environment_is_a_tool_whose_parameters_are_its_action_fields
     results, _ = openenv_toolbox.run(
         [
             ToolCall("calc", json.dumps({"expression": "37*48"}), {}),
-            ToolCall("calc", json.dumps({"expr": "1+1"}), {}),  # not a field of the action: refused, counted
+            ToolCall("calc", json.dumps({"expr": "1+1"}), {}),  # no required `expression`: the model's mistake
             ToolCall("calc", json.dumps({"expression": "2**3"}), {}),  # the environment's own error text
         ]
     )
     assert (results[0].text, results[0].failure) == ("1776", None)
-    assert results[1].failure == "exception" and "expression" in results[1].text
+    assert results[1].failure == "bad_arguments" and "expression" in results[1].text
     assert results[2].failure is None and results[2].text.startswith("error: unsupported operator")
 
 
@@ -172,9 +172,10 @@ def test_an_openenv_environment_with_lifetime_episode_is_one_game_across_the_epi
         {"hint": "correct", "guesses": 3},
     ]
     assert [r.reward for r in played] == [0.0, pytest.approx(0.9), pytest.approx(0.8)]  # the step rewards
-    # arguments the action refuses (checked here, or by the server): one line the model reads
+    # arguments the action refuses (checked here, or by the server): one line the model reads, the model's mistake
+    # (a malformed call), not the environment's failure
     [refused], _ = openenv_toolbox.run([guess("many", "c", target=5)])
-    assert refused.failure == "exception" and "guess" in refused.text and "\n" not in refused.text
+    assert refused.failure == "bad_arguments" and "guess" in refused.text and "\n" not in refused.text
     [over], _ = openenv_toolbox.run([guess(70, "a")])
     assert over.failure == "exception" and over.text.endswith(
         "guess: this episode's environment is done; it takes no more actions"

@@ -15,7 +15,7 @@ from rl_tpu.controller.rollouts import GradedBatch
 from rl_tpu.data.datasets import Example
 from rl_tpu.grader.grader import Failure, Grades
 from rl_tpu.models.logprobs import pad_batch
-from rl_tpu.records import Rollout, TrainBatch
+from rl_tpu.records import Outcome, Rollout, TrainBatch
 
 
 def graded(rewards_per_group: list[list[float]], first_prompt: int = 0) -> GradedBatch:
@@ -160,7 +160,12 @@ def test_the_signal_scores_then_builds_the_batch_with_the_kl_in_the_reward():
     assert (batch.temperature, batch.rollout_is, batch.model_masks) == (cfg.sampler.temperature, None, None)
     # rewards less beta * KL summed over each completion: 1 - 1.0, 0 - 0.5, 1 - 0.5 -> mean 0, std 0.5 (grpo)
     assert [a for row in batch.advantages for a in row] == pytest.approx([0.0, 0.0, -1.0, 1.0], abs=1e-5)
-    assert metrics == {"actor/reward_kl_penalty": pytest.approx(0.5), "actor/reward_kl_penalty_coeff": 1.0}
+    assert metrics == {
+        "actor/reward_kl_penalty": pytest.approx(0.5),
+        "actor/reward_kl_penalty_coeff": 1.0,
+        "outcome/rows_out": 0.0,  # overlong filtering leaves the truncated row out of the loss, but it counts
+        "outcome/groups_out": 0.0,
+    }
     assert signal.kl_coef == 1.0 and LearningSignal(RunConfig()).kl_coef is None  # no KL: nothing to save
 
 
@@ -212,6 +217,8 @@ STEP_KEYS = {
     "rollout/weight_version", "rollout/staleness", "sync/version", "sync/transport", "sync/buckets", "sync/bytes",
     "sync/mb_per_s", "sync/receive_s", "sync/install_wait_s", "perf/sampler_peak_rss_mb", "time/sampler_idle_s",
 }  # fmt: skip
+# and those typed rollout outcomes added (rl_tpu/algorithms/outcomes.py)
+OUTCOME_KEYS = {f"outcome/{kind}" for kind in Outcome} | {"outcome/retries", "outcome/rows_out", "outcome/groups_out"}
 
 
 def test_a_step_runs_its_phases_in_order_and_keeps_its_metric_keys():
@@ -228,7 +235,7 @@ def test_a_step_runs_its_phases_in_order_and_keeps_its_metric_keys():
     examples = [Example([i], "src", "1", {}) for i in range(40)]
     queue = RolloutQueue(actors, batches(examples, 4, seed=0), cfg, taken=0)
     metrics, trained = grpo_step(1, queue, actors, Identity(), ScoresByToken(), cfg, LearningSignal(cfg))
-    assert set(metrics) == STEP_KEYS
+    assert set(metrics) == STEP_KEYS | OUTCOME_KEYS
     assert actors.calls == ["release", "token_kl", "train", "publish", "install"]
     assert len(trained.prompts) == 4 and metrics["data/varied_groups"] == 4.0
     timed = ("time/generate_s", "time/reward_s", "time/train_step_s", "time/sync_s")

@@ -292,22 +292,28 @@ def test_a_tool_result_that_does_not_fit_is_counted_and_logged(caplog):
 
 def test_an_episode_that_lost_its_instance_is_out_of_the_loss_and_of_its_groups_statistics():
     from rl_tpu.algorithms import core as algorithms
-    from rl_tpu.algorithms.learning_signal import advantage_groups, loss_mask
-    from rl_tpu.controller.rollouts import episode_metrics
+    from rl_tpu.algorithms import outcomes
+    from rl_tpu.algorithms.learning_signal import counted_advantages
+    from rl_tpu.controller.rollouts import GradedBatch, episode_metrics
+    from rl_tpu.grader.grader import Grades
 
     def rollout(group: int, lost: str | None = None, dropped: int = 0) -> Rollout:
         stats = EpisodeStats(1, lost_instance=lost, dropped_result_tokens=dropped)
         return Rollout([1], [2, 3], [0.0, 0.0], 0, "stop", group, [1, 1], stats)
 
     rollouts = [rollout(0), rollout(0), rollout(0, lost="game"), rollout(1), rollout(1, dropped=9)]
-    assert loss_mask(rollouts, overlong_filter=False) == [True, True, False, True, True]
-    assert loss_mask(rollouts[:2], overlong_filter=False) is None  # nothing left out
+    assert [r.outcome for r in rollouts] == ["scored", "scored", "lost", "scored", "scored"]
     cfg = compose_run().algorithm
+    counts = outcomes.counted(rollouts, cfg.outcomes)
+    assert outcomes.loss_mask(rollouts, counts, overlong_filter=False) == [True, True, False, True, True]
+    assert outcomes.loss_mask(rollouts[:2], counts[:2], overlong_filter=False) is None  # nothing left out
     scores = [1.0, 0.0, 0.0, 1.0, 0.0]
-    advantages = algorithms.advantages(scores, advantage_groups(rollouts), [2] * 5, cfg)
+    graded = GradedBatch([], rollouts, Grades(scores, {}, {}))
+    advantages = counted_advantages(graded, counts, cfg, None, None)
     without = algorithms.advantages([1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1], [2] * 4, cfg)
     # the group's other episodes get what they would without the lost one (its reward 0 is not what it earned)
     kept = advantages[:2] + advantages[3:]
     assert [a for row in kept for a in row] == pytest.approx([a for row in without for a in row])
+    assert advantages[2] == [0.0, 0.0]
     metrics = episode_metrics(rollouts, "episode")
     assert (metrics["episode/lost_instances"], metrics["episode/tool_results_dropped"]) == (1.0, 1.0)
