@@ -1,7 +1,7 @@
 """Algorithms: verl's advantage estimators and policy losses by verl's names and keys (`core`), the losses'
 facts and plug-ins by import path (`registry`), the KL in the reward with verl's KL controllers (`kl_reward`), and
-the one owner of the way from a step's grades to its `TrainBatch` (`learning_signal`). May import config and
-records only.
+the one owner of the way from a step's grades to its `TrainBatch` (`learning_signal`), with which rows count by
+each rollout's outcome (`outcomes`). May import config and records only.
 
 To add one: a loss or estimator is a function with verl's signature, named by import path
 (`actor.policy_loss.loss_mode=my_pkg.losses:my_loss`, `algorithm.adv_estimator=...`) and stating its facts

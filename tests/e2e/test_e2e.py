@@ -99,6 +99,7 @@ def test_the_run_plots_itself_with_the_data_behind_each_plot(three_step_run):
         ("time", [1, 2, 3], ["time/generate_s", "time/train_step_s", "time/sync_s"]),
         ("logprob_gap", [1, 2, 3], ["actor/logprob_diff"]),
         ("response_length", [1, 2, 3], ["response/length_mean"]),
+        ("outcomes", [1, 2, 3], ["outcome/scored", "outcome/reward_error", "outcome/retries"]),
     ):
         assert (plots / f"{name}.png").stat().st_size > 10_000
         with (plots / f"{name}.csv").open() as f:

@@ -104,3 +104,4 @@ def test_an_openenv_environment_as_the_tool_trains_a_lora_policy(episode_run):
     dumped = [json.loads(line) for line in (run / "rollouts" / "1.jsonl").read_text().splitlines()]
     assert dumped and all(" * " in row["input"] for row in dumped)  # the recipe's products
     assert all(0.0 <= row["score"] <= 1.0 for row in dumped)
+    assert {row["outcome"] for row in dumped} <= {"scored", "truncated"} and rows[-1]["outcome/tool_failure"] == 0
