@@ -119,9 +119,10 @@ class LocalEnvironment:
 class RemoteEnvironment:
     """A session on an OpenEnv server (OpenEnv's own WebSocket client)."""
 
-    def __init__(self, base_url: str, timeout_s: float):
+    def __init__(self, base_url: str, timeout_s: float, name: str):
         from openenv.core.generic_client import GenericEnvClient
 
+        self.name = name  # the tool's, for the line the model reads when the server refuses its arguments
         self.client = GenericEnvClient(base_url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s)
 
     async def reset(self, create_kwargs: dict) -> None:
@@ -132,7 +133,9 @@ class RemoteEnvironment:
             result = await self.client.step(action)
         except RuntimeError as err:  # the server refused the action or failed: one line for the model, not a report
             line = " ".join(str(err).split())
-            raise (BadArguments if "(code: VALIDATION_ERROR)" in line else ValueError)(line) from None
+            if "(code: VALIDATION_ERROR)" in line:
+                raise BadArguments(f"invalid arguments for {self.name}: {line}") from None
+            raise ValueError(line) from None
         return result.observation, result.reward, bool(result.done)
 
     async def close(self) -> None:
@@ -177,7 +180,7 @@ class OpenEnvTool(BaseTool):
     async def create(self, instance_id: Optional[str] = None, **kwargs) -> tuple[str, ToolResponse]:
         instance_id = instance_id or uuid.uuid4().hex
         if self.base_url:
-            environment = RemoteEnvironment(self.base_url, self.timeout_s)
+            environment = RemoteEnvironment(self.base_url, self.timeout_s, self.name)
         else:
             environment = LocalEnvironment(self.environment(**self.environment_kwargs))
         await environment.reset(kwargs.get("create_kwargs") or {})
