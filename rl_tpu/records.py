@@ -54,7 +54,7 @@ class EpisodeStats:
     # where the final model turn's answer ends: before its first tool call (run, left unrun or cut), else its end
     answer_end: int = 0
     # the per-episode tool whose instance was lost with its worker after a call of it succeeded: the episode's state
-    # and tool reward are gone, and it is left out of the loss (None: nothing lost)
+    # and tool reward are gone, and its outcome is lost (None: nothing lost)
     lost_instance: str | None = None
     dropped_result_tokens: int = 0  # a tool result that did not fit (the episode ended, truncated): its tokens
     # times the episode was played again in fresh tool instances (`algorithm.outcomes.<kind>=retry`); the other
