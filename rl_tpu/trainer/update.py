@@ -193,6 +193,9 @@ class PolicyUpdate:
         self.model.train()
         # each update's loss is normalised by its mini-batch's counts, of tokens and sequences in the loss
         counts = [(max(mini.num_tokens(), 1), max(mini.num_seqs(), 1)) for mini in minis]
+        # a mini-batch with no token in the loss (its rows masked by their outcomes, filtered, lost) has a zero
+        # gradient, yet an AdamW step would move the weights by the earlier updates' momentum: it is not applied
+        applies = [mini.num_tokens() > 0 for mini in minis]
         if self.skip_zero_advantage_rows:  # rows that add nothing to the loss or the gradient are not run
             # compiled shapes (seq_buckets): whole micro-batches only, so no step brings a new row count
             multiple = self.world_size * (self.cfg.trainer.micro_batch_size if self.cfg.trainer.seq_buckets else 1)
@@ -202,15 +205,15 @@ class PolicyUpdate:
         totals = UpdateTotals()
         grad_norms = []
         for epoch in range(actor.ppo_epochs):
-            for count, micros in zip(counts, prepared):
+            for count, micros, apply in zip(counts, prepared, applies):
                 for micro in micros:
                     self._backward(*micro, count, batch, totals, first_epoch=epoch == 0)
                 self.borrower.poll()
-                grad_norms.append(self._optimizer_step())
+                grad_norms.append(self._optimizer_step(apply))
         totals.borrowed_s = self.borrower.take_wide_seconds()
         finite = [g for g in grad_norms if math.isfinite(g)]
         skipped = len(grad_norms) - len(finite)
-        if finite:  # the schedule counts steps that changed the weights
+        if finite and any(applies):  # the schedule counts steps that changed the weights
             self.scheduler.step()
         total, rank_rss = totals.all_reduce(self.rank, self.world_size, self.device.torch_device)
         grad_norm = sum(finite) / len(finite) if finite else math.nan
@@ -327,8 +330,12 @@ class PolicyUpdate:
         if first_epoch:  # what the batch is, measured once: before any update changed the policy
             totals.measure(micro, t, entropy, old_log_prob)
 
-    def _optimizer_step(self) -> float:
-        """Clip and apply the accumulated gradient; a non-finite one is dropped. Returns the gradient norm."""
+    def _optimizer_step(self, apply: bool = True) -> float:
+        """Clip and apply the accumulated gradient; a non-finite one is dropped, and so is one with no token in the
+        loss (`apply` false: its norm is 0). Returns the gradient norm."""
+        if not apply:
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.algorithm.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         norm = grad_norm.item()  # an update's one read of the device: whether to apply it

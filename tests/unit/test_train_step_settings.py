@@ -106,3 +106,30 @@ def test_rows_without_advantage_are_not_run_and_change_neither_loss_nor_gradient
     bucketed, _ = one_step(tiny_model_dir, quiet, sort_by_length=False, skip_zero_advantage_rows=None, seq_buckets=[16])
     assert bucketed["perf/rows_skipped_frac"] == pytest.approx(4 / 12)
     assert bucketed["actor/loss"] == pytest.approx(every_row["actor/loss"], rel=1e-5, abs=1e-6)
+
+
+def test_an_update_with_no_token_in_the_loss_leaves_the_weights_as_they_were(tiny_model_dir, batch):
+    """Every row out of the loss (outcomes masked, overlong filtered, lost): its gradient is zero, but an AdamW step
+    would still move the weights, by the momentum of the earlier updates; the update is not applied."""
+    from conftest import free_port
+
+    from rl_tpu.config import RunConfig
+    from rl_tpu.trainer.worker import TrainerWorker
+
+    cfg = RunConfig()
+    cfg.device, cfg.model.dtype, cfg.trainer.micro_batch_size = "cpu", "float32", 4
+    threads = torch.get_num_threads()
+    worker = TrainerWorker(cfg, str(tiny_model_dir), 0, 1, "127.0.0.1", free_port())
+    try:
+        worker.train_step(batch)  # momentum to carry
+        before = {name: p.detach().clone() for name, p in worker.model.named_parameters()}
+        empty = worker.train_step(dataclasses.replace(batch, loss_mask=[False] * len(batch)))
+        for name, param in worker.model.named_parameters():
+            assert torch.equal(param.detach(), before[name]), name
+        assert empty["actor/grad_norm"] == 0.0
+        moved = worker.train_step(batch)  # and a batch with tokens in the loss still trains
+        assert moved["actor/grad_norm"] > 0.0
+        assert any(not torch.equal(p.detach(), before[n]) for n, p in worker.model.named_parameters())
+    finally:
+        worker.shutdown()
+        torch.set_num_threads(threads)
