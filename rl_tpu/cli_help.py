@@ -25,6 +25,7 @@ KEY_WIDTH = 40  # a longer KEY=default pushes its description along
 USAGE = """usage: rl-tpu +recipe=NAME [KEY=VALUE ...]          (also: python -m rl_tpu.main ...)
        rl-tpu -m +recipe=NAME KEY=A,B ...                a sweep: one trial per combination
        rl-tpu -m +recipe=NAME hydra/sweeper=optuna ...   an Optuna search (examples/sweep/README.md)
+       rl-tpu doctor +recipe=NAME [KEY=VALUE ...]        the preflight: 2 short steps checked (docs/preflight.md)
        rl-tpu --hydra-help                               Hydra's own options (--cfg job, --info, ...)
 """
 

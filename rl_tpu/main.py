@@ -1,4 +1,5 @@
-"""Entry point: `rl-tpu +recipe=grpo_math [overrides]` or `python -m rl_tpu.main ...` (add `-m` for a sweep)."""
+"""Entry point: `rl-tpu +recipe=grpo_math [overrides]` or `python -m rl_tpu.main ...` (add `-m` for a sweep);
+`rl-tpu doctor ...` runs the preflight alone (rl_tpu/doctor/)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def run_task(cfg: DictConfig) -> float:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_cfg: RunConfig = OmegaConf.to_object(cfg)
     checked = False
+    t = run_cfg.trainer
 
     def on_checked() -> None:
         nonlocal checked
@@ -63,6 +65,10 @@ def run_task(cfg: DictConfig) -> float:
         record_run(run_dir, cfg)
 
     try:
+        if t.preflight and checkpoints.resume_point(run_dir, t.resume == "auto", t.resume_from) is None:
+            from rl_tpu.doctor.probe import preflight
+
+            preflight(run_cfg, run_dir / "preflight")  # stops here when a check fails
         summary = run(run_cfg, run_dir, on_checked=on_checked)
     except RunInterrupted as stopped:  # preemption or Ctrl-C: saved, stop with the shell's status for the signal
         print(f"{stopped}. Continue with:\n  {resume_command(run_dir)}", flush=True)
@@ -94,8 +100,15 @@ def cli() -> None:
 
         print(help_text(), end="")
         return
+    entry = main
+    if sys.argv[1:2] == ["doctor"]:  # a subcommand: what follows is a run's recipe and overrides
+        from rl_tpu.doctor.command import cli as doctor
+
+        def entry() -> None:
+            doctor(sys.argv[2:])
+
     try:
-        main()
+        entry()
     finally:
         # the interpreter's exit then skips its last collections over everything torch, vLLM and Ray imported:
         # 3-4 s of a short run's exit on a 2-core host (docs/performance.md#start-up-and-exit). Nothing is lost:

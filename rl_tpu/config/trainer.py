@@ -87,6 +87,9 @@ class TrainerConfig:
     # write what each step trained on to <this folder>/<step>.jsonl (verl's key and fields; rl_tpu/outputs/rollout_log.py)
     rollout_data_dir: Optional[str] = None
     plots: bool = True  # when the run ends, plot its metrics into plots/ (rl_tpu/outputs/plots.py)
+    # first run `rl-tpu doctor`'s checks: two short steps of these settings in RUN/preflight/, from the same start
+    # weights (the run's own start is unchanged); a failed check stops before the run starts. A resume skips it
+    preflight: bool = False
 
     @property
     def is_async(self) -> bool:

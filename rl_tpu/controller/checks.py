@@ -83,6 +83,7 @@ RESUME_MAY_CHANGE = (
     *(f"trainer.{key}" for key in ("checkpoint_every", "checkpoint_final", "keep_last", "max_skipped_steps")),
     *(f"trainer.{key}" for key in ("resume", "max_restarts", "logger", "project_name", "experiment_name")),
     "trainer.rollout_data_dir",
+    "trainer.preflight",
     "trainer.memory_check",
     "reward.num_workers",
 )

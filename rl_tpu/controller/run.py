@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +34,7 @@ from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resume_files, chec
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
 from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue, dump_rows
 from rl_tpu.controller.step import grpo_step
+from rl_tpu.controller.watch import RunWatch
 from rl_tpu.data.arithmetic import ensure_arithmetic_dataset
 from rl_tpu.data.datasets import Example, batches, load_examples
 from rl_tpu.data.reasoning_gym import ensure_reasoning_gym_dataset
@@ -92,6 +93,7 @@ class Job:
     settings: str  # the run's settings as given, as YAML: saved with each checkpoint
     # a resume trains on the checkpoint's queued generations: none of the settings that made them changed
     replay_queued: bool = True
+    watch: RunWatch = field(default_factory=RunWatch)  # what reads each step (the preflight); a plain run: nothing
 
 
 def save_checkpoint(job: Job, actors: ActorHandles, step: int, queue: RolloutQueue, signal: LearningSignal) -> Path:
@@ -163,6 +165,7 @@ def train(job: Job, restarted: bool) -> None:
                 stop_early(job, actors, step - 1, saved, queue, signal)
             metrics, trained = grpo_step(step, queue, actors, job.tokenizer, job.grader, cfg, signal)
             guard.observe(step, metrics, trained.prompts)
+            job.watch.step(step, metrics, trained)  # before the log, which refuses a non-finite figure
             if cfg.trainer.rollout_data_dir:
                 rollout_log.write_step(cfg.trainer.rollout_data_dir, step, dump_rows(trained, job.tokenizer))
             pending_eval = None
@@ -228,12 +231,17 @@ def check_reward_plugin(cfg: RunConfig) -> None:
 
 
 def run(
-    cfg: RunConfig, run_dir: Path, show_progress: bool = True, on_checked: Callable[[], None] = lambda: None
+    cfg: RunConfig,
+    run_dir: Path,
+    show_progress: bool = True,
+    on_checked: Callable[[], None] = lambda: None,
+    watch: RunWatch | None = None,
 ) -> dict[str, float]:
     """Train as configured, writing metrics and the export into `run_dir`; returns the summary.
 
     Every check comes first, writing nothing: a refused run leaves `run_dir` as it was. `on_checked` is called once
-    they have all passed, before anything is written into `run_dir` or started.
+    they have all passed, before anything is written into `run_dir` or started. `watch` is shown the run's inputs
+    before Ray starts and each step's metrics and batch (rl_tpu/controller/watch.py).
     Raises `RunInterrupted` when SIGTERM or SIGINT stopped it early (after saving a checkpoint).
     """
     from transformers import AutoTokenizer
@@ -267,7 +275,9 @@ def run(
     grader = Grader(cfg.reward, cfg.custom_reward_function, str(run_dir / "logs"), cfg.algorithm.outcomes)
     show_progress = show_progress and Tracker.console in cfg.trainer.logger
     logger = MetricsLogger(run_dir, cfg.trainer.total_steps, show_progress, tracking.for_run(cfg, run_dir), started)
+    watch = watch or RunWatch()
     try:
+        watch.inputs(tokenizer, train_examples, tools)
         # before the signal handlers: ray.init installs a SIGTERM handler of its own
         start_ray(cfg.ray, bundle_bytes(model_path, cfg.model.torch_dtype))
         kind = placement.device_kind(cfg.device, ray.cluster_resources())
@@ -287,7 +297,7 @@ def run(
         )
         with StopRequest() as stop:
             inputs = (tokenizer, train_examples, eval_examples, grader)
-            job = Job(cfg, run_dir, model_path, kind, *inputs, logger, stop, settings, replay_queued)
+            job = Job(cfg, run_dir, model_path, kind, *inputs, logger, stop, settings, replay_queued, watch)
             with_restarts(lambda restarts: train(job, restarted=restarts > 0), cfg.trainer.max_restarts)
     finally:
         logger.close()
