@@ -224,12 +224,32 @@ def template_call(tokenizer: Any, tool: dict) -> str:
     return whole[len(asked) :] if whole.startswith(asked) else whole.rpartition(PROBE)[2]
 
 
-def tool_calls(parser: str | None, tokenizer: Any, tools: list[dict] | None, prompt: list[int]) -> Check:
-    """6. The prompt names the tools, and `episode.tool_parser` reads a call written the way the model is prompted
-    to write one: the chat template's, or (without a template) a prompt that shows the parser's call marker."""
+def tool_calls(
+    parser: str | None, tokenizer: Any, tools: list[dict] | None, prompt: list[int], metrics: list[dict[str, Any]]
+) -> Check:
+    """6. `episode.tool_parser` reads a call written the way the model is prompted to write one. With a chat template:
+    the prompt names the tools and the parser reads a call as the template writes it. Without one, the format is
+    learnt, not shown: the short run's episodes tell (calls read, or call blocks the parser could not read)."""
     name = "tool calls"
     if parser is None or not tools:
         return unavailable(name, "no episodes (episode.enable=false): completions call no tools")
+    read = max(_values(metrics, "episode/tool_calls_mean"), default=0.0)
+    unread = max(_values(metrics, "episode/malformed_calls_mean"), default=0.0)
+    reader = ToolCallParser(parser, tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        if read > 0:
+            return Check(
+                name, PASSED, f"episode.tool_parser={parser} read {read:.2g} calls an episode in the short run"
+            )
+        if unread > 0:
+            return Check(
+                name,
+                FAILED,
+                f"the model wrote call blocks ({reader.start_marker!r}) that episode.tool_parser={parser} could not "
+                "read, and no call was read: every call the model makes is lost",
+                "episode.tool_parser (the parser of the format the model was taught)",
+            )
+        return unavailable(name, "no chat template shows the call format, and no episode of the short run wrote a call")
     text = tokenizer.decode(prompt)
     unnamed = [t["function"]["name"] for t in tools if t["function"]["name"] not in text]
     if unnamed:
@@ -237,20 +257,8 @@ def tool_calls(parser: str | None, tokenizer: Any, tools: list[dict] | None, pro
             name,
             FAILED,
             f"the prompt never names the tool(s) {', '.join(unnamed)}: the model is not told what it can call",
-            "model.path (its chat template must render `tools`), or the rows' prompt (data.prompt_key) for a model "
-            "without a template",
+            "model.path (its chat template must render `tools`)",
         )
-    reader = ToolCallParser(parser, tokenizer)
-    if not getattr(tokenizer, "chat_template", None):
-        if reader.start_marker not in text:
-            return Check(
-                name,
-                FAILED,
-                f"the prompt never shows the call marker {reader.start_marker!r} that episode.tool_parser={parser} "
-                "reads: without a chat template the model learns the call format from the prompt alone",
-                "episode.tool_parser, or the rows' prompt (data.prompt_key)",
-            )
-        return Check(name, PASSED, f"the prompt shows the call marker {reader.start_marker!r} of {parser}")
     tool = tools[0]["function"]["name"]
     written = template_call(tokenizer, tools[0])
     calls, _ = reader.parse(tokenizer.encode(written, add_special_tokens=False))

@@ -100,14 +100,14 @@ class DoctorWatch(RunWatch):
     def __init__(self, cfg: RunConfig, log_dir: Path):
         self.cfg, self.log_dir = cfg, log_dir
         self.before: dict[str, Check] = {}
+        self.tools: tuple | None = None  # what the tool-call check reads of the inputs: tokenizer, schemas, a prompt
         self.metrics: list[dict[str, Any]] = []
         self.groups: list[list[float]] = []
 
     def inputs(self, tokenizer: Any, examples: list[Example], tools: list[dict] | None) -> None:
         rows = examples[:REWARD_ROWS]
         self.before["chat template"] = checks.chat_template(tokenizer, [e.prompt_ids for e in rows])
-        parser = self.cfg.episode.tool_parser if self.cfg.episode.enable else None
-        self.before["tool calls"] = checks.tool_calls(parser, tokenizer, tools, rows[0].prompt_ids)
+        self.tools = (tokenizer, tools, rows[0].prompt_ids)
         labels, samples = reward_samples(rows, self.cfg.episode.enable)
         grades = score_rows(self.cfg, samples, str(self.log_dir))
         self.before["reward plugin"] = checks.reward_plugin(
@@ -128,10 +128,16 @@ class DoctorWatch(RunWatch):
             variance,
             checks.gradient(metrics, variance.status == PASSED),
             checks.canary(metrics, cfg.model.dtype),
-            self._before("tool calls"),
+            self._tool_calls(),
             checks.logprob_gap(metrics, cfg.model.dtype, cfg.actor.old_logprob_source),
             self._before("reward plugin"),
         ]
+
+    def _tool_calls(self) -> Check:
+        parser = self.cfg.episode.tool_parser if self.cfg.episode.enable else None
+        if self.tools is None and parser is not None:
+            return self._before("tool calls")
+        return checks.tool_calls(parser, *(self.tools or (None, None, [])), self.metrics)
 
     def _before(self, name: str) -> Check:
         return self.before.get(name) or unavailable(name, "the run stopped before its inputs were read")
