@@ -280,17 +280,23 @@ def reward_plugin(labels: list[str], scores: list[float], failures: list[Failure
     if not labels:
         return unavailable(name, "no rows were scored")
     if failures:
-        first = [f"{labels[f.index]}: {_last_line(f.message) or f.kind}" for f in failures[:3]]
-        more = f"; {len(failures) - 3} more" if len(failures) > 3 else ""
+        rows_by_cause: dict[str, list[str]] = {}
+        for failure in failures:
+            rows_by_cause.setdefault(_last_line(failure.message) or failure.kind, []).append(labels[failure.index])
+        causes = [f"{cause} ({_listed(rows)})" for cause, rows in rows_by_cause.items()]
         return Check(
             name,
             FAILED,
             f"reward {failures[0].reward} gave no number for {len(failures)} of {len(labels)} samples of the data's "
-            f"rows: {'; '.join(first)}{more}",
+            f"rows: {'; '.join(causes)}",
             keys,
         )
     shown = ", ".join(f"{s:g}" for s in scores[:8])
     return Check(name, PASSED, f"numbers for all {len(labels)} samples ({shown})")
+
+
+def _listed(items: list[str], most: int = 3) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def _last_line(message: str) -> str:

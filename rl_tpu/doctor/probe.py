@@ -99,12 +99,14 @@ class DoctorWatch(RunWatch):
 
     def __init__(self, cfg: RunConfig, log_dir: Path):
         self.cfg, self.log_dir = cfg, log_dir
+        self.started = False  # whether the run got past its own checks to show its inputs
         self.before: dict[str, Check] = {}
         self.tools: tuple | None = None  # what the tool-call check reads of the inputs: tokenizer, schemas, a prompt
         self.metrics: list[dict[str, Any]] = []
         self.groups: list[list[float]] = []
 
     def inputs(self, tokenizer: Any, examples: list[Example], tools: list[dict] | None) -> None:
+        self.started = True
         rows = examples[:REWARD_ROWS]
         self.before["chat template"] = checks.chat_template(tokenizer, [e.prompt_ids for e in rows])
         self.tools = (tokenizer, tools, rows[0].prompt_ids)
@@ -140,7 +142,7 @@ class DoctorWatch(RunWatch):
         return checks.tool_calls(parser, *(self.tools or (None, None, [])), self.metrics)
 
     def _before(self, name: str) -> Check:
-        return self.before.get(name) or unavailable(name, "the run stopped before its inputs were read")
+        return self.before.get(name) or unavailable(name, "it could not run: the short run stopped (above)")
 
 
 @dataclasses.dataclass
@@ -175,7 +177,8 @@ class Report:
 
 
 def diagnose(cfg: RunConfig, out_dir: Path) -> Report:
-    """The short run of `cfg`'s settings in `out_dir`, then every check; the report is written to OUT/doctor.json."""
+    """The short run of `cfg`'s settings in `out_dir`, then every check; the report is written to OUT/doctor.json.
+    Settings the run's own checks refuse raise as they would for the run (nothing was checked yet)."""
     started = time.monotonic()
     watch, error = DoctorWatch(cfg, out_dir / "logs"), None
     try:
@@ -183,6 +186,8 @@ def diagnose(cfg: RunConfig, out_dir: Path) -> Report:
     except RunInterrupted:
         raise
     except Exception as failed:  # what stopped the short run is the first thing the report names
+        if not watch.started:  # the run's own checks refused the settings: the error a run of them gets
+            raise
         log.debug("the doctor's run stopped", exc_info=True)
         error = f"{type(failed).__name__}: {failed}"
     report = Report(watch.report(), error, len(watch.metrics), time.monotonic() - started)

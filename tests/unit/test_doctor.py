@@ -157,7 +157,7 @@ def test_a_logprob_gap_past_the_dtypes_bound_is_named():
 
 # 8. the reward plugin, run by the grader's worker on real rows
 
-PLUGIN = '''
+PLUGIN = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     if ground_truth == "none":
         return None
@@ -166,7 +166,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     if ground_truth == "raise":
         raise KeyError("answer")
     return float(solution_str == ground_truth)
-'''
+"""
 
 
 def rows(*truths: str) -> list:
