@@ -184,14 +184,15 @@ def canary(metrics: list[dict[str, Any]], dtype: str) -> Check:
 
 def logprob_gap(metrics: list[dict[str, Any]], dtype: str, old_logprob_source: str) -> Check:
     """7. The sampled tokens' logprobs, engine against trainer, within the consistency certificate's bound for the
-    dtype; read only on steps whose rollouts came from the trainer's current weights (no staleness)."""
+    dtype; read only on steps that trained tokens of rollouts from the trainer's current weights (no staleness)."""
     name = "logprob gap"
     if old_logprob_source == "sampler":
         return unavailable(name, "actor.old_logprob_source=sampler: the trainer does not score the sampled tokens")
-    fresh = [m for m in metrics if m.get("rollout/staleness", 0.0) == 0.0]
+    # a step that trained no token (every row skipped: zero advantages) measured no gap
+    fresh = [m for m in metrics if m.get("rollout/staleness", 0.0) == 0.0 and m.get("perf/train_tokens", 1.0) > 0]
     gaps, bound = _values(fresh, "actor/logprob_diff_max"), logprob_bound(dtype)
     if not gaps:
-        return unavailable(name, "no step trained on rollouts of the trainer's own weights")
+        return unavailable(name, "no step trained a token of rollouts from the trainer's own weights")
     if bound is None:
         return unavailable(name, f"no bound is set for model.dtype={dtype}")
     worst, mean = max(gaps), max(_values(fresh, "actor/logprob_diff"), default=math.nan)

@@ -153,6 +153,8 @@ def test_a_logprob_gap_past_the_dtypes_bound_is_named():
     stale = [step(**{"actor/logprob_diff_max": 0.01, "rollout/staleness": 1.0})]
     assert checks.logprob_gap(stale, "float32", "trainer").status == NOT_AVAILABLE  # older weights' gap is not one
     assert checks.logprob_gap(wide, "float32", "sampler").status == NOT_AVAILABLE
+    untrained = [step(**{"actor/logprob_diff_max": 0.0, "perf/train_tokens": 0.0})]  # every row skipped
+    assert checks.logprob_gap(untrained, "float32", "trainer").status == NOT_AVAILABLE
 
 
 # 8. the reward plugin, run by the grader's worker on real rows
