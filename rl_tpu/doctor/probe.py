@@ -188,7 +188,7 @@ def diagnose(cfg: RunConfig, out_dir: Path) -> Report:
     except Exception as failed:  # what stopped the short run is the first thing the report names
         if not watch.started:  # the run's own checks refused the settings: the error a run of them gets
             raise
-        log.debug("the doctor's run stopped", exc_info=True)
+        log.warning("the short run stopped after %d step(s)", len(watch.metrics), exc_info=True)
         error = f"{type(failed).__name__}: {failed}"
     report = Report(watch.report(), error, len(watch.metrics), time.monotonic() - started)
     out_dir.mkdir(parents=True, exist_ok=True)
