@@ -100,13 +100,14 @@ class DoctorWatch(RunWatch):
     def __init__(self, cfg: RunConfig, log_dir: Path):
         self.cfg, self.log_dir = cfg, log_dir
         self.started = False  # whether the run got past its own checks to show its inputs
+        self.inputs_s = 0.0  # what the checks of the inputs took (the reward worker's start included)
         self.before: dict[str, Check] = {}
         self.tools: tuple | None = None  # what the tool-call check reads of the inputs: tokenizer, schemas, a prompt
         self.metrics: list[dict[str, Any]] = []
         self.groups: list[list[float]] = []
 
     def inputs(self, tokenizer: Any, examples: list[Example], tools: list[dict] | None) -> None:
-        self.started = True
+        self.started, started = True, time.monotonic()
         rows = examples[:REWARD_ROWS]
         self.before["chat template"] = checks.chat_template(tokenizer, [e.prompt_ids for e in rows])
         self.tools = (tokenizer, tools, rows[0].prompt_ids)
@@ -115,6 +116,7 @@ class DoctorWatch(RunWatch):
         self.before["reward plugin"] = checks.reward_plugin(
             labels, grades.scores, grades.failures, reward_keys(self.cfg)
         )
+        self.inputs_s = time.monotonic() - started
 
     def step(self, step: int, metrics: dict[str, float], batch: GradedBatch) -> None:
         self.metrics.append(dict(metrics))
@@ -151,6 +153,7 @@ class Report:
     error: str | None  # why the short run stopped early, if it did
     steps: int
     wall_s: float
+    inputs_s: float = 0.0  # of wall_s, the checks of the inputs; the rest is the short run's
 
     @property
     def passed(self) -> bool:
@@ -171,6 +174,7 @@ class Report:
             "error": self.error,
             "steps": self.steps,
             "wall_s": round(self.wall_s, 1),
+            "inputs_s": round(self.inputs_s, 2),
             "checks": [dataclasses.asdict(c) for c in self.checks],
         }
         path.write_text(json.dumps(record, indent=2) + "\n")
@@ -190,7 +194,7 @@ def diagnose(cfg: RunConfig, out_dir: Path) -> Report:
             raise
         log.warning("the short run stopped after %d step(s)", len(watch.metrics), exc_info=True)
         error = f"{type(failed).__name__}: {failed}"
-    report = Report(watch.report(), error, len(watch.metrics), time.monotonic() - started)
+    report = Report(watch.report(), error, len(watch.metrics), time.monotonic() - started, watch.inputs_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write(out_dir / REPORT_FILE)
     return report
