@@ -226,3 +226,14 @@ def test_the_watch_reads_each_groups_scores_and_a_failure_fails_the_report():
     assert not Report(report.checks, "RewardError: boom", 1, 1.0).passed
     failing = [*report.checks, Check("x", FAILED, "cause", "a.key")]
     assert not Report(failing, None, 1, 1.0).passed and "[change: a.key]" in Report(failing, None, 1, 1.0).lines()[-2]
+
+
+def test_a_failed_preflight_stops_the_run_naming_each_failure(monkeypatch, tmp_path):
+    from rl_tpu.doctor import probe
+
+    found = [Check("reward variance", FAILED, "all equal", "sampler.n"), Check("canary", NOT_AVAILABLE, "none")]
+    monkeypatch.setattr(probe, "diagnose", lambda cfg, folder: Report(found, None, 2, 1.0))
+    with pytest.raises(probe.PreflightFailed, match=r"(?s)did not start.*reward variance +FAILED: all equal"):
+        probe.preflight(RunConfig(), tmp_path)
+    found[0] = Check("reward variance", PASSED, "3 of 16 groups' rewards varied")
+    assert probe.preflight(RunConfig(), tmp_path).passed
