@@ -1,6 +1,7 @@
 """How long the preflight takes: `rl-tpu doctor +recipe=NAME` from the command to its exit, on a cold cache (a fresh
 HOME: the shipped model installed and the data made, as the README's first run) and then on the warm one; and what
-`trainer.preflight=true` adds to a short run (the same run with and without it, warm cache).
+`trainer.preflight=true` adds to a short run (the same run with and without it, warm cache), with the preflight's own
+time, and the run's step-0 held-out accuracy and step-1 figures, which the preflight must leave as they were.
 
     python benchmarks/doctor.py --out benchmarks/results/doctor.json
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from record import write_record
 
 REPO = Path(__file__).resolve().parents[1]
+UNTOUCHED = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy")
 SHORT_RUN = ("trainer.total_steps=2", "trainer.checkpoint_final=false", "trainer.export=false", "trainer.plots=false")
 
 
@@ -58,11 +60,18 @@ def short_run(recipe: str, home: Path, preflight: bool, timeout_s: float) -> dic
     seconds, status, text = timed([*command, f"trainer.preflight={str(preflight).lower()}"], home, timeout_s)
     if status != 0:
         raise RuntimeError(f"the run stopped with status {status}:\n{text[-3000:]}")
-    return {
+    lines = [json.loads(line) for line in (home / name / "metrics.jsonl").read_text().splitlines()]
+    record = {
         "what": f"a 2-step +recipe={recipe} run, trainer.preflight={str(preflight).lower()}",
         "seconds": round(seconds, 1),
         "load_average_at_end": os.getloadavg(),
+        # the same with and without the preflight: the run starts from the same weights, untouched by it
+        "step0_eval_accuracy": lines[0]["eval/accuracy"],
+        "step1": {key: lines[1][key] for key in UNTOUCHED},
     }
+    if preflight:  # the preflight's own time, from its report
+        record["preflight_wall_s"] = json.loads((home / name / "preflight" / "doctor.json").read_text())["wall_s"]
+    return record
 
 
 def main() -> None:
