@@ -27,6 +27,7 @@ USAGE = """usage: rl-tpu +recipe=NAME [KEY=VALUE ...]          (also: python -m 
        rl-tpu -m +recipe=NAME hydra/sweeper=optuna ...   an Optuna search (examples/sweep/README.md)
        rl-tpu doctor +recipe=NAME [KEY=VALUE ...]        the preflight: 2 short steps checked (docs/preflight.md)
        rl-tpu --hydra-help                               Hydra's own options (--cfg job, --info, ...)
+       rl-tpu inspect RUN_FOLDER                         write the run's rollout inspector, RUN_FOLDER/inspect.html
 """
 
 

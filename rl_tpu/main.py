@@ -93,8 +93,24 @@ def run_task(cfg: DictConfig) -> float:
 main = hydra.main(version_base=None, config_path="pkg://rl_tpu.configs", config_name="config")(run_task)
 
 
+def inspect_run(args: list[str]) -> None:
+    """`rl-tpu inspect RUN`: write the run's rollout inspector, RUN/inspect.html, and print where it is."""
+    from rl_tpu.outputs.inspect import write_page
+
+    if len(args) != 1 or args[0].startswith("-"):
+        raise SystemExit("usage: rl-tpu inspect RUN_FOLDER")
+    print(write_page(args[0]))
+
+
+SUBCOMMANDS = {"inspect": inspect_run}  # `rl-tpu NAME ...`: the first argument names them (rl_tpu/cli_help.py)
+
+
 def cli() -> None:
-    """The `rl-tpu` command: `--help` lists the recipes and keys (Hydra's own help is `--hydra-help`)."""
+    """The `rl-tpu` command: a subcommand (`SUBCOMMANDS`), or a run; `--help` lists the recipes and keys (Hydra's own
+    help is `--hydra-help`)."""
+    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
+        SUBCOMMANDS[sys.argv[1]](sys.argv[2:])
+        return
     if {"-h", "--help"} & set(sys.argv[1:]):
         from rl_tpu.cli_help import help_text
 

@@ -60,6 +60,8 @@ class EpisodeStats:
     # times the episode was played again in fresh tool instances (`algorithm.outcomes.<kind>=retry`); the other
     # fields are its last play's
     retries: int = 0
+    # each tool turn's calls in order, {"name", "status"}: "ok" or the failure's kind (what the rollout inspector shows)
+    tool_turns: list[list[dict]] = field(default_factory=list)
 
 
 @dataclass
@@ -150,6 +152,9 @@ class TrainBatch:
     loss_mask: list[bool] | None = None
     # per completion token, whether the model sampled it (environment tokens stay out of the loss); None: all did
     model_masks: list[list[int]] | None = None
+    # per sequence, its number among those whose per-token trainer logprobs and entropy the update keeps for the
+    # rollout record (`PolicyUpdate.take_recorded`), -1 for the others; None: none kept
+    recorded: list[int] | None = None
 
     def __post_init__(self) -> None:
         for i, (completion, advantages) in enumerate(zip(self.completion_ids, self.advantages, strict=True)):
@@ -176,6 +181,7 @@ class TrainBatch:
             advantages=[self.advantages[i] for i in rows],
             loss_mask=None if self.loss_mask is None else [self.loss_mask[i] for i in rows],
             model_masks=None if self.model_masks is None else [self.model_masks[i] for i in rows],
+            recorded=None if self.recorded is None else [self.recorded[i] for i in rows],
         )
 
     def shard(self, rank: int, world_size: int) -> "TrainBatch":

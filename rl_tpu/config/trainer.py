@@ -84,8 +84,13 @@ class TrainerConfig:
     logger: list[Tracker] = field(default_factory=lambda: [Tracker.console, Tracker.jsonl, Tracker.tensorboard])
     project_name: str = "rl_tpu"  # the trackers' project
     experiment_name: Optional[str] = None  # the trackers' name for the run; None: the run folder's name
-    # write what each step trained on to <this folder>/<step>.jsonl (verl's key and fields; rl_tpu/outputs/rollout_log.py)
+    # write what each step trained on to <this folder>/<step>.jsonl (verl's key and fields, and the inspector's:
+    # rl_tpu/controller/recording.py); None: <run folder>/rollouts, at trainer.rollout_data_every's share
     rollout_data_dir: Optional[str] = None
+    # record one prompt group in this many a step (those whose row in the data file is a multiple of it) and the
+    # evaluations' samples of as many held-out prompts; 0: record nothing; None: every group where rollout_data_dir
+    # is set (verl's dump), else 8
+    rollout_data_every: Optional[int] = None
     plots: bool = True  # when the run ends, plot its metrics into plots/ (rl_tpu/outputs/plots.py)
     # first run `rl-tpu doctor`'s checks: two short steps of these settings in RUN/preflight/, from the same start
     # weights (the run's own start is unchanged); a failed check stops before the run starts. A resume skips it
@@ -104,6 +109,7 @@ class TrainerConfig:
                 f"{self.eval_pass_k} at least 0 (total_steps 0: evaluate the model only; eval_pass_k 0: no pass@k)"
             )
         counts = {
+            "trainer.rollout_data_every": self.rollout_data_every or 0,
             "trainer.keep_last": self.keep_last,
             "trainer.checkpoint_every": self.checkpoint_every or 0,
             "trainer.max_restarts": self.max_restarts,
@@ -111,9 +117,9 @@ class TrainerConfig:
         }
         if min(counts.values()) < 0:
             raise ValueError(
-                f"{', '.join(f'{k}={v}' for k, v in counts.items())} must each be >= 0 (keep_last 0: keep every "
-                "checkpoint; checkpoint_every 0: none during the run; max_restarts 0: no restarts; max_staleness "
-                "0: the synchronous loop)"
+                f"{', '.join(f'{k}={v}' for k, v in counts.items())} must each be >= 0 (rollout_data_every 0: "
+                "record nothing; keep_last 0: keep every checkpoint; checkpoint_every 0: none during the run; "
+                "max_restarts 0: no restarts; max_staleness 0: the synchronous loop)"
             )
         if self.world_size < 1 or self.logprob_chunk_size < 1:
             raise ValueError(

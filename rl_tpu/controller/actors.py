@@ -68,6 +68,14 @@ class ActorHandles:
         """One update on every rank; rank 0's metrics (they are reduced over ranks)."""
         return self.on_trainers("train_step", "train step", ray.put(batch))[0]
 
+    def recorded_figures(self) -> dict[int, dict[str, list[float]]]:
+        """The trainer's per-token logprobs and entropy of the last step's recorded rows (`TrainBatch.recorded`), by
+        their number, from every rank (each holds its own rows)."""
+        figures = {}
+        for part in self.on_trainers("take_recorded", "taking the recorded rows' figures"):
+            figures.update(part)
+        return figures
+
     def token_kl(self, batch: TrainBatch) -> list[list[float]]:
         """Each completion token's KL between the policy and the reference model, in batch order."""
         shards = self.on_trainers("token_kl", "KL to the reference model", ray.put(batch))

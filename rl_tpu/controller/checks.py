@@ -84,6 +84,7 @@ RESUME_MAY_CHANGE = (
     *(f"trainer.{key}" for key in ("resume", "max_restarts", "logger", "project_name", "experiment_name")),
     "trainer.rollout_data_dir",
     "trainer.preflight",
+    "trainer.rollout_data_every",
     "trainer.memory_check",
     "reward.num_workers",
 )

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from rl_tpu.config import RunConfig
-from rl_tpu.controller.rollouts import episode_metrics, grade, sampling_seed
+from rl_tpu.controller.rollouts import GradedBatch, episode_metrics, grade, sampling_seed
 from rl_tpu.data.datasets import Example
 from rl_tpu.grader.grader import Grader, Grades
 from rl_tpu.sampler.engine import SamplingSettings
@@ -44,11 +44,13 @@ class PendingEval:
     greedy: PendingRollouts
     sampled: PendingRollouts | None
     k: int
+    greedy_graded: GradedBatch | None = None  # once finished: the greedy samples and their grades (rollout record)
 
     def finish(self, tokenizer, grader: Grader, timeout_s: float) -> dict[str, float]:
         start = time.perf_counter()
         greedy = self.greedy.result(timeout_s)
         grades: Grades = grade(greedy, self.examples, tokenizer, grader).result()
+        self.greedy_graded = GradedBatch(self.examples, greedy, grades)
         metrics = {
             "eval/accuracy": statistics.fmean(grades.components[grader.primary]),
             "eval/reward": statistics.fmean(grades.scores),

@@ -31,8 +31,9 @@ from rl_tpu.config import RunConfig, Tracker, cache_path
 from rl_tpu.controller import evaluation, memory_plan
 from rl_tpu.controller.actors import ActorHandles, start_actors, tool_settings
 from rl_tpu.controller.checks import RESUME_MAY_CHANGE, check_resume_files, check_resumed_settings, validate
+from rl_tpu.controller.recording import Recorder
 from rl_tpu.controller.recovery import RunInterrupted, SkippedStepGuard, StopRequest, with_restarts
-from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue, dump_rows
+from rl_tpu.controller.rollouts import GeneratedRollouts, RolloutQueue
 from rl_tpu.controller.step import grpo_step
 from rl_tpu.controller.watch import RunWatch
 from rl_tpu.data.arithmetic import ensure_arithmetic_dataset
@@ -43,7 +44,7 @@ from rl_tpu.grader.grader import Grader, custom_reward
 from rl_tpu.models import precision
 from rl_tpu.models.hf import bundle_bytes
 from rl_tpu.models.resolve import check_context, check_decoder, resolve_model_path
-from rl_tpu.outputs import checkpoints, plots, rollout_log, tracking
+from rl_tpu.outputs import checkpoints, plots, tracking
 from rl_tpu.outputs.export import push_to_hub, write_model_card
 from rl_tpu.outputs.metrics import MetricsLogger, final_accuracy
 from rl_tpu.sync.registry import transport_class
@@ -148,11 +149,13 @@ def train(job: Job, restarted: bool) -> None:
         start_step, checkpoint = resume(job, actors, restarted)
         taken = checkpoints.data_position(checkpoint) if checkpoint else 0
         signal = LearningSignal(cfg, checkpoints.kl_coef(checkpoint) if cfg.algorithm.use_kl_in_reward else None)
+        recorder = Recorder(cfg.trainer, job.run_dir, job.tokenizer)
         if not logger.records:  # a run continuing its own folder has its evaluation at start_step already
             first = evaluation.start_eval(actors.samplers, job.eval_examples, cfg, with_samples=True)
             logger.log(
                 start_step, {**first.finish(job.tokenizer, job.grader, timeout), "sync/version": float(start_step)}
             )
+            recorder.write_eval(start_step, first.greedy_graded)
         order_seed = cfg.data.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed
         prompt_batches = batches(job.train_examples, cfg.data.train_batch_size, order_seed)
         for _ in range(taken):  # the same batches a run that never stopped would see next
@@ -163,17 +166,17 @@ def train(job: Job, restarted: bool) -> None:
         for step in range(start_step + 1, total + 1):
             if job.stop.requested:
                 stop_early(job, actors, step - 1, saved, queue, signal)
-            metrics, trained = grpo_step(step, queue, actors, job.tokenizer, job.grader, cfg, signal)
-            guard.observe(step, metrics, trained.prompts)
-            job.watch.step(step, metrics, trained)  # before the log, which refuses a non-finite figure
-            if cfg.trainer.rollout_data_dir:
-                rollout_log.write_step(cfg.trainer.rollout_data_dir, step, dump_rows(trained, job.tokenizer))
+            metrics, trained = grpo_step(step, queue, actors, job.tokenizer, job.grader, cfg, signal, recorder)
+            guard.observe(step, metrics, trained.graded.prompts)
+            job.watch.step(step, metrics, trained.graded)  # before the log, which refuses a non-finite figure
+            recorder.write_train(step, trained)
             pending_eval = None
             if step % cfg.trainer.eval_every == 0 or step == total:
                 pending_eval = evaluation.start_eval(actors.samplers, job.eval_examples, cfg, step == total)
             queue.fill_after(step)  # behind the evaluation on the sampler: this step's weights or older
             if pending_eval is not None:
                 metrics.update(pending_eval.finish(job.tokenizer, job.grader, timeout))
+                recorder.write_eval(step, pending_eval.greedy_graded)
             logger.log(step, metrics)
             if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
                 save_checkpoint(job, actors, step, queue, signal)

@@ -9,7 +9,8 @@ from rl_tpu.algorithms.learning_signal import LearningSignal
 from rl_tpu.config import RunConfig
 from rl_tpu.controller.actors import ActorHandles
 from rl_tpu.controller.phases import Phases
-from rl_tpu.controller.rollouts import GradedBatch, RolloutQueue, StepRollouts, collect, episode_metrics
+from rl_tpu.controller.recording import Recorder, Trained
+from rl_tpu.controller.rollouts import RolloutQueue, StepRollouts, collect, episode_metrics
 from rl_tpu.grader.grader import Grader
 from rl_tpu.records import WeightBundle
 
@@ -22,16 +23,20 @@ def grpo_step(
     grader: Grader,
     cfg: RunConfig,
     signal: LearningSignal,
-) -> tuple[dict[str, float], GradedBatch]:
+    recorder: Recorder | None = None,
+) -> tuple[dict[str, float], Trained]:
     """One step: the batch's rollouts, graded and scored (`signal`: rewards, shaping, the KL in the reward, the
-    advantages), the update, the weights to the sampler. Returns the step's metrics and what it trained on."""
+    advantages), the update, the weights to the sampler. Returns the step's metrics and what it trained on, with the
+    trainer's figures of the rows `recorder` records."""
     phases = Phases()
     sampled = collect(step, queue, tokenizer, grader, signal, phases)  # phases generate and grade
     with phases("score"):
         actors.release_devices()
         batch, kl_metrics = signal.train_batch(sampled.batch, actors.token_kl)
+        batch = recorder.mark(sampled.batch, batch) if recorder else batch
     with phases("train"):
         train = actors.train(batch)
+        figures = actors.recorded_figures() if batch.recorded is not None else {}
     with phases("publish"):
         bundle = actors.publish(step)
     with phases("install"):
@@ -46,7 +51,7 @@ def grpo_step(
         **sync_metrics(bundle, phases),
         **install_metrics(received),
         **sampled.shares,
-    }, sampled.batch
+    }, Trained(sampled.batch, batch, figures)
 
 
 def rollout_metrics(step: int, sampled: StepRollouts) -> dict[str, float]:

@@ -332,6 +332,10 @@ class EpisodeRunner:
         for episode in calling:
             mine = results[start : start + len(episode.pending_calls)]
             start += len(mine)
+            calls_made = zip(episode.pending_calls, mine)
+            episode.stats.tool_turns.append(
+                [{"name": name, "status": r.failure or "ok"} for (name, _), r in calls_made]
+            )
             for (name, _), result in zip(episode.pending_calls, mine):
                 if result.failure in MODEL_ERRORS:  # the model's mistake, not the tool's: the call was malformed
                     episode.stats.malformed_calls += 1

@@ -1,6 +1,7 @@
 """Reports from what runs leave behind: one run's summary and plots, and a sweep's table and plots.
 
-    python -m rl_tpu.report outputs/2026-11-30/10-00-00      # one run: its summary, plots into RUN/plots/
+    python -m rl_tpu.report outputs/2026-11-30/10-00-00      # one run: its summary, plots into RUN/plots/,
+                                                             # and the rollout inspector, RUN/inspect.html
     python -m rl_tpu.report multirun/2026-11-30/10-00-00     # a sweep: summary.md, summary.csv, plots/
 
 A Hydra multirun writes the sweep's report when it ends (`SweepSummary`, registered in configs/config.yaml),
@@ -19,6 +20,7 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 
+from rl_tpu.outputs.inspect import write_page
 from rl_tpu.outputs.metrics import ELAPSED, TIMESTAMP, final_accuracy, read_metrics
 from rl_tpu.outputs.plots import plot_run, plot_sweep
 
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     if (folder / "metrics.jsonl").is_file():
         print("\n".join(f"{key}: {value}" for key, value in run_summary(folder).items()))
         print("plots:", *plot_run(folder), sep="\n  ")
+        print(f"rollout inspector: {write_page(folder)}")
     else:
         print(write_sweep_report(folder))
         print(f"plots: {folder / 'plots'}")

@@ -5,7 +5,9 @@ completion, or an episode's final turn before any tool call), `outcome`, how the
 (`rl_tpu.records.Outcome`: scored, reward_error, tool_failure, timeout, truncated or lost; `algorithm.outcomes`
 decides whether it counted), `input_ids` and `output_ids`, the token ids the trainer scored (the text fields drop
 special tokens), and for an episode `turns`: its spans of `output_ids` in order, each {"role": "model" or
-"environment", "start", "end"}.
+"environment", "start", "end"}. The rollout inspector's fields, and which samples a run records (every one where
+`trainer.rollout_data_dir` is set, a share of them in `<run folder>/rollouts` by default, and the evaluations' in
+`eval/<step>.jsonl`), are rl_tpu/controller/recording.py's.
 
 A file is written whole or not at all (renamed into place); a step trained again after a crash overwrites its file,
 so the folder holds each step once.
@@ -16,6 +18,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+RUN_FOLDER = "rollouts"  # in the run folder, where `trainer.rollout_data_dir` is unset
+EVAL_FOLDER = "eval"  # in the record's folder: the evaluations' samples, `eval/<step>.jsonl`
+
+
+def record_folder(run_dir: str | Path, rollout_data_dir: str | None) -> Path:
+    """Where a run's record is: `trainer.rollout_data_dir`, or its run folder's `rollouts/`."""
+    return Path(rollout_data_dir).expanduser() if rollout_data_dir else Path(run_dir) / RUN_FOLDER
 
 
 def write_step(folder: str | Path, step: int, rows: list[dict]) -> Path:

@@ -21,6 +21,7 @@ from rl_tpu.config import AlgorithmConfig, RunConfig
 from rl_tpu.models.logprobs import forward_positions, pad_batch, token_logprobs
 from rl_tpu.records import TrainBatch
 from rl_tpu.trainer.lora import adapters_off
+from rl_tpu.trainer.recorded import RecordedRows
 
 
 def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
@@ -73,6 +74,7 @@ class UpdateTotals:
     positions: float = 0.0  # the same, padding included
     borrowed_s: float = 0.0  # seconds computed on engine cores too (trainer.borrow_idle_cores)
     weighted: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # verl's figures x tokens
+    recorded: RecordedRows = field(default_factory=RecordedRows)  # the rollout record's rows: not summed
 
     def measure(
         self, micro: TrainBatch, t: dict[str, torch.Tensor], entropy: torch.Tensor, old_log_prob: torch.Tensor
@@ -85,6 +87,7 @@ class UpdateTotals:
         self.entropy += (entropy.detach() * mask).sum()
         self.logprob_diff += gap.sum()
         self.logprob_diff_max = gap.max().clamp(min=self.logprob_diff_max)
+        self.recorded.keep(micro, old_log_prob, entropy)
         real, computed = forward_positions(t, micro)  # counted on the host
         self.positions_real += real
         self.positions += computed
@@ -92,7 +95,7 @@ class UpdateTotals:
     def all_reduce(self, rank: int, world_size: int, device: torch.device) -> tuple[UpdateTotals, list[float]]:
         """The sums over every rank, the largest gap of any rank, and each rank's peak resident memory, in one
         all-reduce (each rank's own figures in slots of their own, which the sum keeps apart)."""
-        names = [f.name for f in fields(self) if f.name not in ("weighted", "logprob_diff_max")]
+        names = [f.name for f in fields(self) if f.name not in ("weighted", "logprob_diff_max", "recorded")]
         keys = sorted(self.weighted)
         local = [getattr(self, name) for name in names] + [self.weighted[key] for key in keys]
         rss, gaps = [0.0] * world_size, [0.0] * world_size
@@ -165,6 +168,7 @@ class PolicyUpdate:
             cfg.trainer.skip_zero_advantage_rows is not False
             and algorithms.why_zero_advantage_rows_count(cfg.actor) is None
         )
+        self.totals = UpdateTotals()  # the last step's: its rollout record rows wait there for the driver
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """PPO updates on one batch: `actor.ppo_epochs` passes over its mini-batches, one optimizer step each.
@@ -191,7 +195,7 @@ class PolicyUpdate:
             minis = [mini.rows_with_signal(multiple) for mini in minis]
         single_update = len(minis) * actor.ppo_epochs == 1 and not self.stochastic
         prepared = [self._prepare(mini, single_update) for mini in minis]
-        totals = UpdateTotals()
+        self.totals = totals = UpdateTotals()
         grad_norms = []
         for epoch in range(actor.ppo_epochs):
             for count, micros, apply in zip(counts, prepared, applies):

@@ -166,6 +166,10 @@ class TrainerWorker:
     def token_kl(self, batch: TrainBatch) -> list[list[float]]:
         return self.update.token_kl(batch)
 
+    def take_recorded(self) -> dict[int, dict[str, list[float]]]:
+        """This rank's per-token figures of the last step's recorded rows (`TrainBatch.recorded`)."""
+        return self.update.totals.recorded.take()
+
     def next_token_logprobs(self, sequences: list[list[int]]) -> torch.Tensor:
         """The policy's full next-token log-softmax rows (`rl_tpu.consistency`); world size 1 only."""
         return next_token_logprobs(self.model.eval(), sequences, self.device.torch_device)

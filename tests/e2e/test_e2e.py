@@ -49,6 +49,7 @@ def three_step_run(tmp_path_factory, installed_cli):
         "sync.transport=collective",
         "trainer.logger=[jsonl,tensorboard]",
         "trainer.eval_pass_k=4",
+        "trainer.rollout_data_every=1",  # the rollout inspector's record of every sample
         program=[installed_cli],
         cwd=root / "elsewhere",
     )
@@ -112,6 +113,25 @@ def test_the_run_plots_itself_with_the_data_behind_each_plot(three_step_run):
             assert float(r["time/elapsed_s"]) == pytest.approx(rows[int(r["step"])]["time/elapsed_s"])
             if r["eval/accuracy"]:
                 assert float(r["eval/accuracy"]) == pytest.approx(rows[int(r["step"])]["eval/accuracy"])
+
+
+def test_the_rollout_inspector_of_the_wheel_shows_what_each_step_trained_on(three_step_run, installed_cli, tmp_path):
+    """`rl-tpu inspect RUN` writes the page from the wheel's own files; a headless Chromium checks it by the DOM
+    (tests/browser.py: the step list, each sample's tokens and mask, a filter, a token's figures, no console errors)."""
+    from browser import check_page, start_browser
+
+    root, _ = three_step_run
+    run = root / "run"
+    shown = subprocess.run([installed_cli, "inspect", run], capture_output=True, text=True, check=True, timeout=120)
+    assert shown.stdout.strip() == str(run / "inspect.html")
+    driver = start_browser()
+    try:
+        seen = check_page(driver, run, tmp_path / "inspect.png")
+    finally:
+        driver.quit()
+    assert (tmp_path / "inspect.png").stat().st_size > 10_000 and seen["step"] == 3  # the last step, first
+    assert all(len(row["output_pieces"]) == len(row["logprobs"]) == len(row["output_ids"]) for row in seen["recorded"])
+    assert any("trainer_logprobs" in row for row in seen["recorded"])  # the rows the update ran
 
 
 def test_metrics_are_well_formed(three_step_run):

@@ -41,7 +41,14 @@ def episode_cli(run_dir, cache_dir, *overrides: str, tool: str = CALC_FUNCTION) 
 @pytest.fixture(scope="module")
 def episode_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("episodes")
-    episode_cli(root / "run", root / "cache", "trainer.total_steps=4", "trainer.checkpoint_every=2")
+    # every episode recorded, for the rollout inspector's page
+    episode_cli(
+        root / "run",
+        root / "cache",
+        "trainer.total_steps=4",
+        "trainer.checkpoint_every=2",
+        "trainer.rollout_data_every=1",
+    )
     return root
 
 
@@ -56,6 +63,30 @@ def test_episodes_call_the_tool_and_the_logprobs_agree_after_every_sync(episode_
         # the model's tokens after a tool result, scored by the trainer as the engine sampled them
         assert row["actor/logprob_diff"] < 1e-5, "sampler and trainer disagree on the logprobs of the same tokens"
     assert "eval/episode/tool_call_rate" in rows[0]
+
+
+def test_the_rollout_inspector_sets_the_tool_turns_apart(episode_run, tmp_path):
+    """`python -m rl_tpu.report RUN` writes the page; a headless Chromium checks it as for single completions
+    (tests/browser.py), and each episode's tool turns are boxes of their own naming the tool and its status."""
+    from browser import check_page, start_browser
+    from selenium.webdriver.common.by import By
+
+    run = episode_run / "run"
+    subprocess.run([*MODULE_CLI[:2], "rl_tpu.report", str(run)], cwd=REPO, check=True, capture_output=True, timeout=300)
+    driver = start_browser()
+    try:
+        seen = check_page(driver, run, tmp_path / "inspect.png")
+        for element, row in zip(driver.find_elements(By.CSS_SELECTOR, "#groups .sample"), seen["recorded"]):
+            tool_turns = element.find_elements(By.CSS_SELECTOR, ".tool-turn")
+            environment = [t for t in row["turns"] if t["role"] == "environment"]
+            assert len(tool_turns) == len(environment)
+            for box, turn in zip(tool_turns, environment):
+                assert len(box.find_elements(By.CSS_SELECTOR, ".tok")) == turn["end"] - turn["start"]
+                assert all("masked" in tok.get_attribute("class") for tok in box.find_elements(By.CSS_SELECTOR, ".tok"))
+                assert box.find_element(By.CSS_SELECTOR, ".tool-label").text == "tool: calc (ok)"
+        assert any(t["role"] == "environment" for row in seen["recorded"] for t in row["turns"])
+    finally:
+        driver.quit()
 
 
 def test_a_sync_run_with_a_deterministic_tool_resumes_exactly(episode_run):

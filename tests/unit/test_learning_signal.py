@@ -237,7 +237,7 @@ def test_a_step_runs_its_phases_in_order_and_keeps_its_metric_keys():
     metrics, trained = grpo_step(1, queue, actors, Identity(), ScoresByToken(), cfg, LearningSignal(cfg))
     assert set(metrics) == STEP_KEYS | OUTCOME_KEYS
     assert actors.calls == ["release", "token_kl", "train", "publish", "install"]
-    assert len(trained.prompts) == 4 and metrics["data/varied_groups"] == 4.0
+    assert len(trained.graded.prompts) == 4 and metrics["data/varied_groups"] == 4.0
     timed = ("time/generate_s", "time/reward_s", "time/train_step_s", "time/sync_s")
     assert sum(metrics[k] for k in timed) <= metrics["time/step_s"]
     assert metrics["time/sync_s"] >= metrics["time/publish_s"] > 0.0

@@ -25,6 +25,15 @@ def test_every_package_folder_is_listed_for_the_wheel():
     assert (REPO / "configs" / "recipe" / "grpo_math.yaml").is_file()
 
 
+def test_every_file_a_package_reads_besides_its_modules_ships_in_the_wheel():
+    """The rollout inspector's page is made of package files (rl_tpu/outputs/inspect/page.*): each is listed in
+    package-data, and each file listed is there."""
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    folder = REPO / "rl_tpu" / "outputs" / "inspect"
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix != ".py")
+    assert files == sorted(package_data["rl_tpu.outputs.inspect"]) == ["page.css", "page.html", "page.js"]
+
+
 def test_the_package_keeps_its_shape():
     top = sorted(p.name for p in (REPO / "rl_tpu").glob("*.py"))
     assert len(top) <= MAX_TOP_MODULES, top
