@@ -223,3 +223,14 @@ def test_the_overlong_penalty_counts_the_models_tokens_not_the_tool_results(toke
         version + 1, OneBatch(), tokenizer, CapturingGrader(), LearningSignal(cfg), Phases()
     )
     assert batch.grades.scores == pytest.approx([0.0, -1.0])
+
+
+def test_each_tool_turn_records_its_calls_names_and_statuses(tokenizer, echo_box):
+    """What the rollout inspector shows of a tool turn (rl_tpu/controller/recording.py)."""
+    unknown = f" <tool_call>{json.dumps({'name': 'nope', 'arguments': {}})}</tool_call>"
+    rollout = episode(tokenizer, echo_box, [echo_call("1776"), unknown, " 42"])
+    assert rollout.episode.tool_turns == [
+        [{"name": "echo", "status": "ok"}],
+        [{"name": "nope", "status": "unknown_tool"}],  # the model's mistake, counted malformed
+    ]
+    assert rollout.episode.malformed_calls == 1
