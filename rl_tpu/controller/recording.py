@@ -17,11 +17,15 @@ has `split` "eval" and no loss mask, logprobs, entropy or advantages (greedy, no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from rl_tpu.config import TrainerConfig
+from rl_tpu.controller.actors import ActorHandles
 from rl_tpu.controller.rollouts import GradedBatch, dump_rows
 from rl_tpu.data.datasets import Example
 from rl_tpu.outputs import rollout_log
@@ -80,14 +84,44 @@ class Recorder:
         self.every, self.tokenizer = share(trainer), tokenizer
         self.folder = rollout_log.record_folder(run_dir, trainer.rollout_data_dir)
         self.pieces: dict[int, str] = {}  # a token's text, decoded once
+        self.seconds = 0.0  # spent recording since the last `take_seconds`
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def take_seconds(self) -> float:
+        """The seconds the record took since the last call (`time/record_s`: a step's, and its evaluation's)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def mark(self, graded: GradedBatch, batch: TrainBatch) -> TrainBatch:
         """The batch with its recorded rows marked, so that the trainer keeps their figures."""
         return dataclasses.replace(batch, recorded=recorded_numbers(graded, self.every))
 
+    def take_figures(self, actors: ActorHandles, batch: TrainBatch) -> dict[int, dict[str, list[float]]]:
+        """The trainer's figures of the batch's recorded rows, after its update (none recorded: no call)."""
+        if batch.recorded is None:
+            return {}
+        with self.timed():
+            return actors.recorded_figures()
+
     def write_train(self, step: int, trained: Trained) -> None:
-        if not self.every:
-            return
+        if self.every:
+            with self.timed():
+                self._write_train(step, trained)
+
+    def write_eval(self, step: int, greedy: GradedBatch) -> None:
+        """The evaluation's greedy samples of the recorded held-out prompts."""
+        if self.every:
+            with self.timed():
+                self._write_eval(step, greedy)
+
+    def _write_train(self, step: int, trained: Trained) -> None:
         graded, batch = trained.graded, trained.batch
         positions = [i for i, number in enumerate(batch.recorded or []) if number >= 0]
         taken = GradedBatch(graded.prompts, [graded.rollouts[i] for i in positions], graded.grades.take(positions))
@@ -107,10 +141,7 @@ class Recorder:
             rows.append(row)
         rollout_log.write_step(self.folder, step, rows)
 
-    def write_eval(self, step: int, greedy: GradedBatch) -> None:
-        """The evaluation's greedy samples of the recorded held-out prompts."""
-        if not self.every:
-            return
+    def _write_eval(self, step: int, greedy: GradedBatch) -> None:
         positions = [i for i, r in enumerate(greedy.rollouts) if is_recorded(greedy.prompts[r.group], self.every)]
         taken = GradedBatch(greedy.prompts, [greedy.rollouts[i] for i in positions], greedy.grades.take(positions))
         rows = [{**row, "split": "eval"} for row in self._rows(taken)]

@@ -177,7 +177,7 @@ def train(job: Job, restarted: bool) -> None:
             if pending_eval is not None:
                 metrics.update(pending_eval.finish(job.tokenizer, job.grader, timeout))
                 recorder.write_eval(step, pending_eval.greedy_graded)
-            logger.log(step, metrics)
+            logger.log(step, {**metrics, "time/record_s": recorder.take_seconds()})
             if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
                 save_checkpoint(job, actors, step, queue, signal)
                 saved = step

@@ -36,7 +36,7 @@ def grpo_step(
         batch = recorder.mark(sampled.batch, batch) if recorder else batch
     with phases("train"):
         train = actors.train(batch)
-        figures = actors.recorded_figures() if batch.recorded is not None else {}
+        figures = recorder.take_figures(actors, batch) if recorder else {}
     with phases("publish"):
         bundle = actors.publish(step)
     with phases("install"):

@@ -77,6 +77,7 @@ def test_a_recorded_training_row_holds_what_the_page_shows(tmp_path):
     assert batch.recorded == [0, 1, -1, -1]
     figures = {0: {"logprobs": [-0.4999999] * 8, "entropy": [1.23456] * 8}}  # none for row 1: the update skipped it
     recorder.write_train(3, Trained(graded, batch, figures))
+    assert recorder.take_seconds() > 0.0 and recorder.take_seconds() == 0.0  # time/record_s, once
     first, second = rollout_log.read_steps(tmp_path / "rollouts")[3]
     assert first["output_pieces"] == ["<5>", "<6>", "<7>", "<8>", "<9>", "<9>", "<3>", "<4>"]
     assert first["loss_mask"] == [1, 1, 1, 1, 0, 0, 1, 1]  # the tool's tokens are out
@@ -89,6 +90,21 @@ def test_a_recorded_training_row_holds_what_the_page_shows(tmp_path):
     assert (first["split"], first["group"], first["index"], first["step"]) == ("train", 0, 0, 3)
     assert first["reward_parts"] == {"acc": 1.0} and second["truncated"] == "max_tokens"
     assert second["finish_reason"] == "length"
+
+
+def test_the_trainers_figures_are_asked_for_only_when_a_row_is_recorded(tmp_path):
+    class Trainers:
+        calls = 0
+
+        def recorded_figures(self):
+            self.calls += 1
+            return {0: {"logprobs": [-1.0], "entropy": [0.5]}}
+
+    graded, batch = episode_batch()
+    trainers, recorder = Trainers(), Recorder(TrainerConfig(rollout_data_every=8), tmp_path, Pieces())
+    assert recorder.take_figures(trainers, batch) == {} and trainers.calls == 0  # nothing marked
+    assert recorder.take_figures(trainers, recorder.mark(graded, batch))[0]["entropy"] == [0.5]
+    assert trainers.calls == 1
 
 
 def test_an_evaluation_records_the_greedy_samples_of_the_same_share_of_prompts(tmp_path):

@@ -19,7 +19,7 @@ from rl_tpu.outputs import rollout_log
 from rl_tpu.outputs.metrics import read_metrics
 
 MAX_ROWS = 5000  # samples embedded
-MAX_TOKENS = 500_000  # completion tokens embedded (a long run of long completions is capped by these first)
+MAX_TOKENS = 200_000  # completion tokens embedded (a long run of long completions is capped by these first)
 SPLITS = ("train", "eval")
 
 Key = tuple[str, int]  # (split, step)

@@ -7,13 +7,22 @@ const DATA = JSON.parse(document.getElementById("inspect-data").textContent);
 const SAMPLES = new Map(DATA.samples.map((s) => [s.id, s]));
 const state = { step: null, split: "train", measure: "gap", pinned: null };
 
+// an environment token (a tool's reply) was not sampled: it has no engine logprob, so no gap
+function sampled(s, j) {
+  if (s.sampled === undefined) {
+    s.sampled = new Uint8Array(s.n).fill(1);
+    for (const turn of s.turns || []) if (turn.role === "environment") s.sampled.fill(0, turn.start, turn.end);
+  }
+  return s.sampled[j] === 1;
+}
+
 // each measure: its value at token j of sample s (null: not recorded), and whether it has a sign
 const MEASURES = {
-  gap: { label: "trainer − engine logprob", signed: true, at: (s, j) => (s.tlp && s.lp ? s.tlp[j] - s.lp[j] : null) },
-  adv: { label: "advantage", signed: true, at: (s, j) => (s.adv ? s.adv[j] : null) },
-  ent: { label: "entropy", signed: false, at: (s, j) => (s.ent ? s.ent[j] : null) },
-  lp: { label: "engine logprob", signed: false, at: (s, j) => (s.lp ? -s.lp[j] : null) },
-  none: { label: "nothing", signed: false, at: () => null },
+  gap: { signed: true, at: (s, j) => (s.tlp && s.lp && sampled(s, j) ? s.tlp[j] - s.lp[j] : null) },
+  adv: { signed: true, at: (s, j) => (s.adv ? s.adv[j] : null) },
+  ent: { signed: false, at: (s, j) => (s.ent ? s.ent[j] : null) },
+  lp: { signed: false, at: (s, j) => (s.lp && sampled(s, j) ? -s.lp[j] : null) },
+  none: { signed: false, at: () => null },
 };
 const POSITIVE = [214, 69, 65], NEGATIVE = [49, 110, 204], SEQUENTIAL = [128, 70, 190];
 
@@ -83,6 +92,7 @@ function scaleOf(samples) {
   let largest = 0;
   for (const s of samples) {
     for (let j = 0; j < s.n; j++) {
+      if (s.mask && !s.mask[j]) continue; // greyed, not coloured
       const v = measure.at(s, j);
       if (v !== null && Number.isFinite(v)) largest = Math.max(largest, Math.abs(v));
     }
@@ -102,6 +112,10 @@ function drawLegend(largest) {
   legend.replaceChildren();
   const measure = MEASURES[state.measure];
   if (state.measure === "none") return;
+  if (largest === 0) {
+    legend.append(el("span", "note", "not recorded for these tokens"));
+    return;
+  }
   const swatch = (value) => {
     const box = el("span", "swatch");
     box.style.background = colour(value, largest, measure.signed);
@@ -250,7 +264,7 @@ function showToken(tok) {
     ["text", JSON.stringify(s.tokens[j])],
     ["id", s.ids ? s.ids[j] : null],
     ["in the loss", s.mask ? (s.mask[j] ? "yes" : "no") : "–"],
-    ["engine logprob", s.lp ? fmt(s.lp[j], 6) : null],
+    ["engine logprob", s.lp && sampled(s, j) ? fmt(s.lp[j], 6) : null],
     ["trainer logprob", s.tlp ? fmt(s.tlp[j], 6) : null],
     ["gap (trainer − engine)", gap === null ? null : fmt(gap, 6)],
     ["advantage", s.adv ? fmt(s.adv[j], 4) : null],
