@@ -215,6 +215,7 @@ def test_the_page_is_one_file_whose_data_no_sample_text_can_break_out_of(tmp_pat
     html = page.write_page(tmp_path).read_text()
     assert html.count("</script>") == 2 and "/*DATA*/" not in html and "/*SCRIPT*/" not in html
     embedded = html.split('id="inspect-data">', 1)[1].split("</script>", 1)[0]
+    assert not {"<", ">", "&"} & set(embedded)  # no `</script`, `<!--` or character reference can start in it
     assert json.loads(embedded)["samples"][0]["output"] == hostile
     assert (
         "<link" not in html and "src=" not in html and "http" not in html.replace("http-equiv", "")
