@@ -66,9 +66,10 @@ def set_value(driver, element_id: str, value: str) -> None:
 
 
 def check_page(driver, run_dir: Path, screenshot: Path) -> dict:
-    """The checks every real run's page passes, by the DOM (see tests/e2e/test_e2e.py): the step list, each shown
-    sample's token count against its recorded length, masked tokens marked, a filter narrowing the list, no console
-    errors, a token's figures on a click; and a screenshot. Returns what the page showed, for the caller's own checks."""
+    """The checks every real run's page passes, by the DOM (see tests/e2e/test_e2e.py): the step list, a step
+    clicked, each of its samples' token count against its recorded length, masked tokens marked, a filter narrowing
+    the list, no console errors, a token's figures on a click; and a screenshot. Returns what the page showed, for
+    the caller's own checks."""
     from selenium.webdriver.common.by import By
 
     from rl_tpu.outputs import rollout_log
@@ -78,8 +79,12 @@ def check_page(driver, run_dir: Path, screenshot: Path) -> dict:
     open_page(driver, page)
     steps = [int(row.get_attribute("data-step")) for row in driver.find_elements(By.CSS_SELECTOR, ".step-item")]
     assert steps == [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")]
-    shown_step = int(driver.find_element(By.CSS_SELECTOR, ".step-item.selected").get_attribute("data-step"))
-    recorded = rollout_log.read_steps(run_dir / "rollouts")[shown_step]
+    record = rollout_log.read_steps(run_dir / "rollouts")
+    # the last step with two prompts recorded or more (a search for one of them narrows the list), clicked
+    shown_step = max(step for step, rows in record.items() if len({row["group"] for row in rows}) > 1)
+    driver.find_element(By.CSS_SELECTOR, f'.step-item[data-step="{shown_step}"]').click()
+    assert driver.find_element(By.CSS_SELECTOR, ".step-item.selected").get_attribute("data-step") == str(shown_step)
+    recorded = record[shown_step]
     samples = driver.find_elements(By.CSS_SELECTOR, "#groups .sample")
     assert len(samples) == len(recorded) > 0
     in_order = [recorded[int(element.get_attribute("data-line"))] for element in samples]  # each one's line
