@@ -252,6 +252,18 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class Canary:
+    """Fixed token sequences that every engine scores right after it installs a version (rl_tpu/sync/canary.py), and
+    trainer rank 0's logprob of each of their continuation tokens under the weights it published as `version`."""
+
+    version: int
+    dtype: str  # the served dtype, which sets the default bound on the gap
+    sequences: tuple[tuple[int, ...], ...]
+    starts: tuple[int, ...]  # each sequence's first continuation token: the tokens before it are its prompt
+    logprobs: tuple[float, ...]  # every continuation token's, sequence after sequence
+
+
+@dataclass(frozen=True)
 class WeightBundle:
     version: int
     transport: str
@@ -261,6 +273,7 @@ class WeightBundle:
     # the checksum of the base it applies to, which every engine compares with the base it serves
     adapter: dict | None = None
     base_checksum: str | None = None
+    canary: Canary | None = None  # the trainer's canary for this version (None: sync.canary.enable=false)
 
     @property
     def names(self) -> list[str]:
@@ -277,8 +290,8 @@ class WeightBundle:
                 f"the trainer ranks' parts of a weight bundle do not fit together: versions "
                 f"{[p.version for p in parts]}, buckets {[[b.index for b in p.buckets] for p in parts]}"
             )
-        # a LoRA adapter's config and base checksum travel with rank 0's part
+        # a LoRA adapter's config and base checksum, and the canary, travel with rank 0's part
         lead = next((p for p in parts if p.base_checksum is not None), parts[0])
-        return cls(
-            lead.version, lead.transport, buckets, sum(p.num_bytes for p in parts), lead.adapter, lead.base_checksum
-        )
+        canary = next((p.canary for p in parts if p.canary is not None), None)
+        total = sum(p.num_bytes for p in parts)
+        return cls(lead.version, lead.transport, buckets, total, lead.adapter, lead.base_checksum, canary)

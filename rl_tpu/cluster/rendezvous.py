@@ -35,6 +35,17 @@ AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 ALL_GPUS_VISIBLE_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
+def set_rank_env(master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+    """Inside a trainer rank: the variables torch.distributed's env:// rendezvous reads (the store on rank 0's node)."""
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+    )
+
+
 def local_device_index() -> int:
     """Inside a trainer rank: its accelerator's index among those the process sees: the GPU Ray assigned it where
     every GPU is visible (`ALL_GPUS_VISIBLE_ENV`), else 0 (the one visible)."""

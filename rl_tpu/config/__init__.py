@@ -33,7 +33,7 @@ from rl_tpu.config.choices import (
 )
 from rl_tpu.config.data import DataConfig
 from rl_tpu.config.episode import EpisodeConfig
-from rl_tpu.config.infra import ExportConfig, RayConfig, SyncConfig
+from rl_tpu.config.infra import CanaryConfig, ExportConfig, RayConfig, SyncConfig
 from rl_tpu.config.lora import LoraConfig
 from rl_tpu.config.model import ModelConfig
 from rl_tpu.config.reasoning_gym import ReasoningGymConfig
@@ -45,6 +45,7 @@ from rl_tpu.config.trainer import TrainerConfig
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
+    "CanaryConfig",
     "CustomRewardConfig",
     "DType",
     "DataConfig",
@@ -110,6 +111,7 @@ class RunConfig:
             self.algorithm.outcomes,
             self.trainer,
             self.reward,
+            self.sync.canary,
         ):
             section.__post_init__()
 

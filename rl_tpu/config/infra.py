@@ -1,9 +1,22 @@
-"""The run's machinery: the weight `sync` transport, the `ray` cluster and the Hub `export`."""
+"""The run's machinery: the weight `sync` transport and its canary, the `ray` cluster and the Hub `export`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+
+@dataclass
+class CanaryConfig:
+    # after every install (and at start, before the first evaluation) each engine scores a fixed canary and the
+    # run stops when its logprobs are further than sync.canary.max_gap from the trainer's (rl_tpu/sync/canary.py)
+    enable: bool = True
+    # the largest per-token logprob gap allowed; null: by dtype (float32 1e-4, bfloat16 0.5: docs/reliability.md)
+    max_gap: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.max_gap is not None and not self.max_gap > 0:
+            raise ValueError(f"sync.canary.max_gap={self.max_gap} must be > 0, or null for the dtype's bound")
 
 
 @dataclass
@@ -13,6 +26,7 @@ class SyncConfig:
     transport: str = "object_store"
     bucket_mb: float = 512.0  # upper bound on one bucket's bytes
     shm_dir: str = "/dev/shm/rl_tpu"  # where shm_file writes its buckets
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
 
 
 @dataclass

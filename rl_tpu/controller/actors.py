@@ -32,6 +32,7 @@ from rl_tpu.sampler.engine import EngineOptions, launch_sampler
 from rl_tpu.sampler.pool import SamplerPool
 from rl_tpu.sampler.restarts import EngineRecovery
 from rl_tpu.sync.base import Placed
+from rl_tpu.sync.canary import CanaryWatch
 from rl_tpu.sync.registry import transport_class
 from rl_tpu.trainer.worker import TrainerWorker
 
@@ -100,6 +101,15 @@ class ActorHandles:
             self.samplers.call("wake_up", "waking the engines", timeout)
         return self.samplers.install(bundle, timeout) if wait else self.samplers.start_install(bundle, timeout)
 
+    def start_canary(self) -> dict[str, float]:
+        """Before anything is generated: every engine's canary against trainer rank 0's as version 0, so that an
+        engine that started with other weights than the trainer's is named before the first evaluation (no figures
+        with `sync.canary.enable=false`)."""
+        if not self.cfg.sync.canary.enable:
+            return {}
+        canary = self.on_trainers("score_canary", "scoring the weight canary of v0", 0)[0]
+        return self.samplers.check_canary(canary, self.cfg.ray.call_timeout_s)
+
     def release_devices(self) -> None:
         """Colocated on CUDA: the engines hand the GPU to the trainer until the next install."""
         if self.reservation.plan.engines_sleep:
@@ -138,7 +148,8 @@ def start_actors(
     log.info("placement: %s; %s", plan.summary(), plan.why)
     reservation = placement.reserve(plan, cfg.ray.placement_timeout_s)
     log_dir = str(run_dir / "logs")
-    actors = ActorHandles([], SamplerPool([], log_dir), reservation, cfg, log_dir)
+    pool = SamplerPool([], log_dir, canary=CanaryWatch(cfg.sync.canary.max_gap))
+    actors = ActorHandles([], pool, reservation, cfg, log_dir)
     if restarts_in_place(cfg):
         actors.samplers.restarts.recovery = EngineRecovery(
             actors.publish, cfg.sampler.max_restarts, cfg.ray.start_timeout_s

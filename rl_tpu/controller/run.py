@@ -147,14 +147,15 @@ def train(job: Job, restarted: bool) -> None:
     actors = start_actors(cfg, job.model_path, job.run_dir, job.kind)
     try:
         start_step, checkpoint = resume(job, actors, restarted)
+        # a resumed run's install checked its canary; a new run's engines are checked before they evaluate
+        canary = actors.start_canary() if checkpoint is None else {}
         taken = checkpoints.data_position(checkpoint) if checkpoint else 0
         signal = LearningSignal(cfg, checkpoints.kl_coef(checkpoint) if cfg.algorithm.use_kl_in_reward else None)
         recorder = Recorder(cfg.trainer, job.run_dir, job.tokenizer)
         if not logger.records:  # a run continuing its own folder has its evaluation at start_step already
             first = evaluation.start_eval(actors.samplers, job.eval_examples, cfg, with_samples=True)
-            logger.log(
-                start_step, {**first.finish(job.tokenizer, job.grader, timeout), "sync/version": float(start_step)}
-            )
+            evaluated = first.finish(job.tokenizer, job.grader, timeout)
+            logger.log(start_step, {**evaluated, "sync/version": float(start_step), **canary})
             recorder.write_eval(start_step, first.greedy_graded)
         order_seed = cfg.data.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed
         prompt_batches = batches(job.train_examples, cfg.data.train_batch_size, order_seed)

@@ -110,5 +110,6 @@ def install_metrics(received: dict[str, float]) -> dict[str, float]:
         "sync/receive_s": received["receive_s"],
         "sync/install_wait_s": received["install_wait_s"],  # for the engine's generation under way to end
         "perf/sampler_peak_rss_mb": received["peak_rss_mb"],
-        **{k: v for k, v in received.items() if k.startswith(("time/", "sampler/"))},  # time/sampler_idle_s
+        # time/sampler_idle_s, and the canary's gaps (rl_tpu/sync/canary.py)
+        **{k: v for k, v in received.items() if k.startswith(("time/", "sampler/", "sync/canary"))},
     }

@@ -9,11 +9,9 @@ the trainer.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 import torch
@@ -25,9 +23,11 @@ from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.cluster.placement import require_model_on_node, where_am_i
 from rl_tpu.episodes.loop import EpisodeOptions, TurnOutput, TurnRequest, build_runner
 from rl_tpu.models.precision import keep_vllm_residual_fp32
-from rl_tpu.records import Rollout, WeightBundle, WeightSyncError
+from rl_tpu.records import Canary, Rollout, WeightBundle, WeightSyncError
 from rl_tpu.sampler.adapters import AdapterServing
+from rl_tpu.sampler.scoring import canary_params, continuation_logprobs, dense_rows, full_distribution_params
 from rl_tpu.sampler.served import served_weights
+from rl_tpu.sampler.turns import EngineTurns
 from rl_tpu.sync.endpoints import unpack
 from rl_tpu.sync.registry import DEFAULT_TRANSPORT, transport_class
 
@@ -113,54 +113,6 @@ def sampled_tokens(completion, settings: SamplingSettings) -> tuple[list[int], l
     return ids, [step[token].logprob for step, token in zip(completion.logprobs, ids)]
 
 
-class EngineTurns:
-    """Who uses the engine next: one call at a time, an install that is waiting before any generation not yet started.
-
-    Weight installs run in a concurrency group of their own, so a bundle is fetched and verified while
-    the engine generates. An install takes its turn once the generations sent before it have ended
-    (the earlier argument of Sampler.install), and the generations sent after it wait for it (the pool's after
-    argument): which weights a batch gets follows from the order of the calls, never from timing, so an async
-    run repeats.
-    The waits have no deadline of their own: the controller's call deadline, which names this engine, bounds them.
-    """
-
-    def __init__(self):
-        self._changed = threading.Condition()
-        self._busy = False
-        self._installs_waiting = 0
-
-    @contextmanager
-    def generation(self) -> Iterator[None]:
-        with self._changed:
-            self._changed.wait_for(lambda: not self._busy and not self._installs_waiting)
-            self._busy = True
-        try:
-            yield
-        finally:
-            self._release()
-
-    @contextmanager
-    def install(self, earlier: list | None = None) -> Iterator[None]:
-        """The engine's turn for an install, once the generations sent before it (earlier: ObjectRefs) ended:
-        the wait is bounded by the controller's deadline on the install, which names the engine."""
-        if earlier:
-            ray.wait(earlier, num_returns=len(earlier))
-        with self._changed:
-            self._installs_waiting += 1
-            self._changed.wait_for(lambda: not self._busy)
-            self._installs_waiting -= 1
-            self._busy = True
-        try:
-            yield
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self._changed:
-            self._busy = False
-            self._changed.notify_all()
-
-
 def memory_args(kv_cache_gb: float | None, gpu_memory_utilization: float | None, on_cpu: bool) -> dict:
     """vLLM's memory arguments: the KV cache in bytes where `sampler.kv_cache_gb` is set (on CPU, 1 GiB when not:
     vLLM would otherwise claim most of the RAM), else the accelerator's share `gpu_memory_utilization` leaves."""
@@ -206,21 +158,31 @@ def engine_args(options: EngineOptions, kv_cache_gb: float | None, on_cpu: bool,
     return args
 
 
-def full_distribution_params():
-    """vLLM's parameters that score a sequence: every token of the vocabulary at every position (flat, not decoded:
-    a constant number of Python objects whatever the vocabulary), one token generated and dropped."""
-    from vllm import SamplingParams
+def start_vllm(
+    model_path: str,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_gb: float | None,
+    seed: int,
+    options: EngineOptions,
+    allowed: list[int],
+):
+    """vLLM's engine (`LLM`), in this process, set up from the engine's settings; `allowed`: the cores it may use."""
+    from vllm import LLM
+    from vllm.platforms import current_platform
 
-    return SamplingParams(max_tokens=1, prompt_logprobs=-1, flat_logprobs=True, detokenize=False)
-
-
-def dense_rows(flat, vocab: int) -> torch.Tensor:
-    """vLLM's flat prompt logprobs of one sequence (every token of the vocabulary at each position after the
-    first) as a [positions, vocab] table; an entry vLLM left out stays -inf, which no bound lets through."""
-    rows = torch.full((len(flat.start_indices) - 1, vocab), float("-inf"))
-    for row, (start, end) in enumerate(zip(flat.start_indices[1:], flat.end_indices[1:])):
-        rows[row, torch.tensor(flat.token_ids[start:end])] = torch.tensor(flat.logprobs[start:end], dtype=torch.float32)
-    return rows
+    if options.fp32_residual and dtype != "float32" and current_platform.is_cpu():
+        keep_vllm_residual_fp32()
+    return LLM(
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
+        enforce_eager=options.enforce_eager,
+        enable_sleep_mode=options.sleep_mode,
+        **engine_args(options, kv_cache_gb, current_platform.is_cpu(), allowed),
+    )
 
 
 class Sampler:
@@ -240,22 +202,8 @@ class Sampler:
             os.environ.setdefault(key, value)
         # before vLLM starts: its CPU worker binds nothing in-process, and disables torch.set_num_threads
         allowed = options.binding.apply(self.name)
-        from vllm import LLM
-        from vllm.platforms import current_platform
-
-        if options.fp32_residual and dtype != "float32" and current_platform.is_cpu():
-            keep_vllm_residual_fp32()
         self.options = options
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            logprobs_mode="processed_logprobs",  # after temperature: what the trainer computes
-            enforce_eager=options.enforce_eager,
-            enable_sleep_mode=options.sleep_mode,
-            **engine_args(options, kv_cache_gb, current_platform.is_cpu(), allowed),
-        )
+        self.llm = start_vllm(model_path, dtype, max_model_len, kv_cache_gb, seed, options, allowed)
         transport_class(options.transport).attach_engine(options.index, self.llm)
         self.version = 0
         self.turns = EngineTurns()
@@ -338,9 +286,18 @@ class Sampler:
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         return torch.cat([dense_rows(output.prompt_logprobs, vocab) for output in outputs])
 
+    def score_canary(self, canary: Canary | None) -> list[float] | None:
+        """The logprob of each canary continuation token under what the engine serves now, through the adapter
+        request its generations use (`rl_tpu/sync/canary.py`); None without a canary."""
+        if canary is None:
+            return None
+        outputs, _ = self._generate([list(s) for s in canary.sequences], [canary_params()] * len(canary.sequences))
+        return continuation_logprobs(outputs, canary)
+
     @ray.method(concurrency_group="weights")
-    def install(self, bundle: WeightBundle, resent: bool = False, earlier: list | None = None) -> dict[str, float]:
-        """Verify and install a weight bundle; the previous version keeps serving if anything is wrong.
+    def install(self, bundle: WeightBundle, resent: bool = False, earlier: list | None = None) -> dict[str, Any]:
+        """Verify and install a weight bundle; the previous version keeps serving if anything is wrong. The figures
+        include the bundle's canary as the engine now scores it (`canary`), for the pool to check.
 
         `resent`: the pool sends it again after losing the engine; one brought back with this version already
         (`EngineRestarts.bring_back`) reports instead of refusing it. earlier: the generations sent to this engine
@@ -362,6 +319,7 @@ class Sampler:
                 "version": self.version,
                 "busy_s": self.busy_s,
                 **self.served.report(),
+                "canary": self.score_canary(bundle.canary),
             }
 
     def _load(self, bundle: WeightBundle, tensors, earlier: list) -> tuple[float, float, float]:

@@ -3,7 +3,8 @@
 Prompts are split into contiguous chunks of nearly equal size, one per engine, and the rollouts
 come back in prompt order with each rollout's `group` the prompt's index in the whole batch.
 An install reaches every engine (for the collective transport, all engines take part in the
-same broadcast), and every engine must report the same version afterwards.
+same broadcast), and every engine must report the same version afterwards, and answer the bundle's
+canary as the trainer did (`rl_tpu/sync/canary.py`), checked when the install's figures arrive.
 
 A lost engine (its process killed or crashed) is brought back in place when the pool has an
 `EngineRecovery` (rl_tpu/sampler/restarts.py), and the lost call is sent again.
@@ -17,9 +18,10 @@ from dataclasses import InitVar, dataclass, field
 
 from rl_tpu.cluster.actor_logs import actor_name
 from rl_tpu.cluster.calls import gather
-from rl_tpu.records import Rollout, WeightBundle
+from rl_tpu.records import Canary, Rollout, WeightBundle
 from rl_tpu.sampler.engine import SamplingSettings
 from rl_tpu.sampler.restarts import EngineRecovery, EngineRestarts
+from rl_tpu.sync.canary import CanaryWatch
 
 
 def split_evenly(count: int, parts: int) -> list[range]:
@@ -108,6 +110,7 @@ class SamplerPool:
     # per engine: the generations sent since its last install, which the next install goes in after
     sent_since_install: dict[int, list] = field(default_factory=dict)
     restarts: EngineRestarts = field(init=False)  # lost engines brought back in place (with `recovery`)
+    canary: CanaryWatch = field(default_factory=CanaryWatch)  # checks each install's canary answers
 
     def __post_init__(self, recovery: EngineRecovery | None) -> None:
         self.restarts = EngineRestarts(self.engines, self.log_dir, recovery)
@@ -145,6 +148,12 @@ class SamplerPool:
         """The same call on every engine, waited for together."""
         calls = [(name, getattr(engine, method).remote(*args)) for name, engine in zip(self.names, self.engines)]
         return gather(calls, what, timeout_s, self.log_dir)
+
+    def check_canary(self, canary: Canary, timeout_s: float) -> dict[str, float]:
+        """Every engine scores `canary` under what it serves now (at start: version 0, before the first evaluation),
+        checked as an install's is; the figures for the step's metrics."""
+        answers = self.call("score_canary", f"scoring the weight canary of v{canary.version}", timeout_s, canary)
+        return self.canary.check(canary, answers, self.names)
 
     def install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
         """Install in every engine; the first engine's timings and each engine's served version."""
@@ -190,9 +199,12 @@ class SamplerPool:
             raise RuntimeError(
                 f"after installing v{bundle.version} the engines serve versions {[r['version'] for r in received]}"
             )
+        answers = [r.pop("canary", None) for r in received]
+        canary = self.canary.check(bundle.canary, answers, self.names) if bundle.canary is not None else {}
         metrics = {f"sampler/engine_{i}/weight_version": float(r["version"]) for i, r in enumerate(received)}
         return {
             **received[0],
+            **canary,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in received),
             **metrics,
             "sampler/restarts": float(self.restarts.count),
