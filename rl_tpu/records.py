@@ -252,15 +252,22 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class CanaryTokens:
+    """The weight canary's fixed token sequences (rl_tpu/sync/canary.py), which every engine scores right after it
+    installs a version and the trainer scores under the weights it published as that version."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    starts: tuple[int, ...]  # each sequence's first continuation token: the tokens before it are its prompt
+
+
+@dataclass(frozen=True)
 class Canary:
-    """Fixed token sequences that every engine scores right after it installs a version (rl_tpu/sync/canary.py), and
-    trainer rank 0's logprob of each of their continuation tokens under the weights it published as `version`."""
+    """Trainer rank 0's logprob of each canary continuation token under the weights it published as `version`."""
 
     version: int
     dtype: str  # the served dtype, which sets the default bound on the gap
-    sequences: tuple[tuple[int, ...], ...]
-    starts: tuple[int, ...]  # each sequence's first continuation token: the tokens before it are its prompt
     logprobs: tuple[float, ...]  # every continuation token's, sequence after sequence
+    seconds: float = 0.0  # how long scoring them took the trainer
 
 
 @dataclass(frozen=True)
@@ -273,7 +280,7 @@ class WeightBundle:
     # the checksum of the base it applies to, which every engine compares with the base it serves
     adapter: dict | None = None
     base_checksum: str | None = None
-    canary: Canary | None = None  # the trainer's canary for this version (None: sync.canary.enable=false)
+    canary: CanaryTokens | None = None  # what the engines score once they installed it (None: no canary)
 
     @property
     def names(self) -> list[str]:
@@ -290,8 +297,8 @@ class WeightBundle:
                 f"the trainer ranks' parts of a weight bundle do not fit together: versions "
                 f"{[p.version for p in parts]}, buckets {[[b.index for b in p.buckets] for p in parts]}"
             )
-        # a LoRA adapter's config and base checksum, and the canary, travel with rank 0's part
+        # a LoRA adapter's config and base checksum travel with rank 0's part
         lead = next((p for p in parts if p.base_checksum is not None), parts[0])
-        canary = next((p.canary for p in parts if p.canary is not None), None)
-        total = sum(p.num_bytes for p in parts)
-        return cls(lead.version, lead.transport, buckets, total, lead.adapter, lead.base_checksum, canary)
+        return cls(
+            lead.version, lead.transport, buckets, sum(p.num_bytes for p in parts), lead.adapter, lead.base_checksum
+        )

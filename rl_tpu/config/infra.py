@@ -11,7 +11,7 @@ class CanaryConfig:
     # after every install (and at start, before the first evaluation) each engine scores a fixed canary and the
     # run stops when its logprobs are further than sync.canary.max_gap from the trainer's (rl_tpu/sync/canary.py)
     enable: bool = True
-    # the largest per-token logprob gap allowed; null: by dtype (float32 1e-4, bfloat16 0.5: docs/reliability.md)
+    # the largest per-token logprob gap allowed; null: by dtype (float32 2e-4, bfloat16 1.0: docs/reliability.md)
     max_gap: Optional[float] = None
 
     def __post_init__(self) -> None:

@@ -26,13 +26,13 @@ from rl_tpu.cluster.calls import ActorError, gather
 from rl_tpu.config import RunConfig, TrainerConfig
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeOptions
 from rl_tpu.episodes.tools import ToolSettings
-from rl_tpu.records import TrainBatch, WeightBundle
+from rl_tpu.records import CanaryTokens, TrainBatch, WeightBundle
 from rl_tpu.sampler.adapters import AdapterServing
 from rl_tpu.sampler.engine import EngineOptions, launch_sampler
 from rl_tpu.sampler.pool import SamplerPool
 from rl_tpu.sampler.restarts import EngineRecovery
 from rl_tpu.sync.base import Placed
-from rl_tpu.sync.canary import CanaryWatch
+from rl_tpu.sync.canary import CanaryWatch, canary_tokens
 from rl_tpu.sync.registry import transport_class
 from rl_tpu.trainer.worker import TrainerWorker
 
@@ -51,6 +51,7 @@ class ActorHandles:
     log_dir: str
     rendezvous: rendezvous.RendezvousStore | None = None  # the trainer ranks', held while they run
     core_leases: cpu_binding.CoreLeases | None = None  # pinned runs: the cores this run holds on each node
+    canary: CanaryTokens | None = None  # the weight canary's tokens (rl_tpu/sync/canary.py); None: sync.canary off
 
     @property
     def trainer_names(self) -> list[str]:
@@ -96,19 +97,27 @@ class ActorHandles:
         Without waiting (wait=False) it sends the bundle and returns at once, with the figures of the install
         before if that one was not waited for (none at first); generations sent after it wait for it on their
         engines."""
-        timeout = self.cfg.ray.call_timeout_s
+        timeout, trainer = self.cfg.ray.call_timeout_s, []
         if self.reservation.plan.engines_sleep:
             self.samplers.call("wake_up", "waking the engines", timeout)
-        return self.samplers.install(bundle, timeout) if wait else self.samplers.start_install(bundle, timeout)
+        if self.canary is not None:  # the engines score it after their load; the trainer ranks meanwhile
+            bundle, trainer = dataclasses.replace(bundle, canary=self.canary), self.trainer_canary(bundle.version)
+        if wait:
+            return self.samplers.install(bundle, timeout, trainer)
+        return self.samplers.start_install(bundle, timeout, trainer)
+
+    def trainer_canary(self, version: int) -> list[tuple[str, object]]:
+        """Every rank scores the canary under its weights now, as `version` (an FSDP forward is collective): the
+        calls, rank 0's first. Sent before any later call, so that they score the weights just published."""
+        return [(n, t.score_canary.remote(version, self.canary)) for n, t in zip(self.trainer_names, self.trainers)]
 
     def start_canary(self) -> dict[str, float]:
         """Before anything is generated: every engine's canary against trainer rank 0's as version 0, so that an
         engine that started with other weights than the trainer's is named before the first evaluation (no figures
         with `sync.canary.enable=false`)."""
-        if not self.cfg.sync.canary.enable:
+        if self.canary is None:
             return {}
-        canary = self.on_trainers("score_canary", "scoring the weight canary of v0", 0)[0]
-        return self.samplers.check_canary(canary, self.cfg.ray.call_timeout_s)
+        return self.samplers.check_canary(self.canary, self.trainer_canary(0), self.cfg.ray.call_timeout_s)
 
     def release_devices(self) -> None:
         """Colocated on CUDA: the engines hand the GPU to the trainer until the next install."""
@@ -149,7 +158,7 @@ def start_actors(
     reservation = placement.reserve(plan, cfg.ray.placement_timeout_s)
     log_dir = str(run_dir / "logs")
     pool = SamplerPool([], log_dir, canary=CanaryWatch(cfg.sync.canary.max_gap))
-    actors = ActorHandles([], pool, reservation, cfg, log_dir)
+    actors = ActorHandles([], pool, reservation, cfg, log_dir, canary=run_canary(cfg, model_path))
     if restarts_in_place(cfg):
         actors.samplers.restarts.recovery = EngineRecovery(
             actors.publish, cfg.sampler.max_restarts, cfg.ray.start_timeout_s
@@ -174,6 +183,13 @@ def start_actors(
         actors.shutdown()
         raise
     return actors
+
+
+def run_canary(cfg: RunConfig, model_path: Path) -> CanaryTokens | None:
+    """The weight canary's tokens in the model's own tokenizer (`sync.canary.enable`), else None."""
+    from transformers import AutoTokenizer
+
+    return canary_tokens(AutoTokenizer.from_pretrained(model_path)) if cfg.sync.canary.enable else None
 
 
 def wait_ready(actors: ActorHandles, names: list[str], timeout_s: float) -> None:

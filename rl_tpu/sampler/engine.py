@@ -23,7 +23,7 @@ from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.cluster.placement import require_model_on_node, where_am_i
 from rl_tpu.episodes.loop import EpisodeOptions, TurnOutput, TurnRequest, build_runner
 from rl_tpu.models.precision import keep_vllm_residual_fp32
-from rl_tpu.records import Canary, Rollout, WeightBundle, WeightSyncError
+from rl_tpu.records import CanaryTokens, Rollout, WeightBundle, WeightSyncError
 from rl_tpu.sampler.adapters import AdapterServing
 from rl_tpu.sampler.scoring import canary_params, continuation_logprobs, dense_rows, full_distribution_params
 from rl_tpu.sampler.served import served_weights
@@ -286,18 +286,18 @@ class Sampler:
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         return torch.cat([dense_rows(output.prompt_logprobs, vocab) for output in outputs])
 
-    def score_canary(self, canary: Canary | None) -> list[float] | None:
+    def score_canary(self, tokens: CanaryTokens | None) -> list[float] | None:
         """The logprob of each canary continuation token under what the engine serves now, through the adapter
         request its generations use (`rl_tpu/sync/canary.py`); None without a canary."""
-        if canary is None:
+        if tokens is None:
             return None
-        outputs, _ = self._generate([list(s) for s in canary.sequences], [canary_params()] * len(canary.sequences))
-        return continuation_logprobs(outputs, canary)
+        outputs, _ = self._generate([list(s) for s in tokens.sequences], [canary_params()] * len(tokens.sequences))
+        return continuation_logprobs(outputs, tokens)
 
     @ray.method(concurrency_group="weights")
     def install(self, bundle: WeightBundle, resent: bool = False, earlier: list | None = None) -> dict[str, Any]:
         """Verify and install a weight bundle; the previous version keeps serving if anything is wrong. The figures
-        include the bundle's canary as the engine now scores it (`canary`), for the pool to check.
+        include the bundle's canary as the engine now scores it (`canary`, `canary_s`), for the pool to check.
 
         `resent`: the pool sends it again after losing the engine; one brought back with this version already
         (`EngineRestarts.bring_back`) reports instead of refusing it. earlier: the generations sent to this engine
@@ -310,6 +310,7 @@ class Sampler:
                 checked = loading = done = time.perf_counter()
             else:
                 checked, loading, done = self._load(bundle, tensors, earlier or [])
+            canary, scored = self.score_canary(bundle.canary), time.perf_counter()
             return {
                 **timings,
                 "install_s": done - loading,
@@ -319,7 +320,8 @@ class Sampler:
                 "version": self.version,
                 "busy_s": self.busy_s,
                 **self.served.report(),
-                "canary": self.score_canary(bundle.canary),
+                "canary": canary,
+                "canary_s": scored - done,  # scoring it: the canary's cost on the engine's side
             }
 
     def _load(self, bundle: WeightBundle, tensors, earlier: list) -> tuple[float, float, float]:

@@ -18,7 +18,7 @@ from dataclasses import InitVar, dataclass, field
 
 from rl_tpu.cluster.actor_logs import actor_name
 from rl_tpu.cluster.calls import gather
-from rl_tpu.records import Canary, Rollout, WeightBundle
+from rl_tpu.records import CanaryTokens, Rollout, WeightBundle
 from rl_tpu.sampler.engine import SamplingSettings
 from rl_tpu.sampler.restarts import EngineRecovery, EngineRestarts
 from rl_tpu.sync.canary import CanaryWatch
@@ -96,6 +96,7 @@ class PendingInstall:
     bundle: WeightBundle
     sent: list[tuple[object, int]]  # per engine: the call's ObjectRef, and the engine's restart count then
     deadline: float
+    trainer_canary: list[tuple[str, object]]  # the trainer ranks' canary calls for the bundle (empty: no canary)
 
 
 @dataclass
@@ -149,21 +150,28 @@ class SamplerPool:
         calls = [(name, getattr(engine, method).remote(*args)) for name, engine in zip(self.names, self.engines)]
         return gather(calls, what, timeout_s, self.log_dir)
 
-    def check_canary(self, canary: Canary, timeout_s: float) -> dict[str, float]:
-        """Every engine scores `canary` under what it serves now (at start: version 0, before the first evaluation),
-        checked as an install's is; the figures for the step's metrics."""
-        answers = self.call("score_canary", f"scoring the weight canary of v{canary.version}", timeout_s, canary)
+    def check_canary(
+        self, tokens: CanaryTokens, trainer: list[tuple[str, object]], timeout_s: float
+    ) -> dict[str, float]:
+        """Every engine scores `tokens` under what it serves now (at start: version 0, before the first evaluation),
+        checked against the trainer ranks' canary calls (`(name, ObjectRef)`, rank 0's first) as an install's is."""
+        answers = self.call("score_canary", "scoring the weight canary", timeout_s, tokens)
+        canary = gather(trainer, "scoring the weight canary", timeout_s, self.log_dir)[0]
         return self.canary.check(canary, answers, self.names)
 
-    def install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
-        """Install in every engine; the first engine's timings and each engine's served version."""
-        self.start_install(bundle, timeout_s)
+    def install(self, bundle: WeightBundle, timeout_s: float, trainer_canary: list | None = None) -> dict[str, float]:
+        """Install in every engine; the first engine's timings and each engine's served version (and the canary's
+        figures, with `trainer_canary`: see `start_install`)."""
+        self.start_install(bundle, timeout_s, trainer_canary)
         return self.finish_install()
 
-    def start_install(self, bundle: WeightBundle, timeout_s: float) -> dict[str, float]:
+    def start_install(
+        self, bundle: WeightBundle, timeout_s: float, trainer_canary: list | None = None
+    ) -> dict[str, float]:
         """Send the install to every engine without waiting for it (finish_install waits, within timeout_s);
         generations sent meanwhile wait for it on their engine. Returns the figures of the install before, if
-        it was not waited for yet (empty if none was pending)."""
+        it was not waited for yet (empty if none was pending). `trainer_canary`: the trainer ranks' calls that score
+        the bundle's canary (`(name, ObjectRef)`, rank 0's first), checked against the engines' when it finishes."""
         previous = self.finish_install()
         # each engine loads it after the generations sent before it (in a list: Ray passes them unresolved, so the
         # bundle is fetched and verified meanwhile): every batch's weights follow from the order of the calls alone
@@ -171,7 +179,8 @@ class SamplerPool:
             (engine.install.remote(bundle, earlier=self.sent_since_install.pop(i, [])), self.restarts.life(i))
             for i, engine in enumerate(self.engines)
         ]
-        self.pending, self.version = PendingInstall(bundle, sent, time.monotonic() + timeout_s), bundle.version
+        deadline = time.monotonic() + timeout_s
+        self.pending, self.version = PendingInstall(bundle, sent, deadline, trainer_canary or []), bundle.version
         return previous
 
     def finish_install(self) -> dict[str, float]:
@@ -199,8 +208,7 @@ class SamplerPool:
             raise RuntimeError(
                 f"after installing v{bundle.version} the engines serve versions {[r['version'] for r in received]}"
             )
-        answers = [r.pop("canary", None) for r in received]
-        canary = self.canary.check(bundle.canary, answers, self.names) if bundle.canary is not None else {}
+        canary = self._checked_canary(pending, received)
         metrics = {f"sampler/engine_{i}/weight_version": float(r["version"]) for i, r in enumerate(received)}
         return {
             **received[0],
@@ -209,6 +217,23 @@ class SamplerPool:
             **metrics,
             "sampler/restarts": float(self.restarts.count),
             **self._idle_since_last_install(received),
+        }
+
+    def _checked_canary(self, pending: PendingInstall, received: list[dict]) -> dict[str, float]:
+        """Each engine's canary answer taken out of its figures and checked against the trainer's (`CanaryWatch`);
+        the canary's figures, its cost among them: `time/canary_s`, the engines' scoring and then the wait for the
+        trainer's (which ran beside the install), and `time/canary_trainer_s`, the trainer's own scoring."""
+        answers = [r.pop("canary", None) for r in received]
+        engine_s = max(r.pop("canary_s", 0.0) for r in received)
+        if pending.bundle.canary is None or not pending.trainer_canary:
+            return {}
+        waited = time.perf_counter()
+        what = f"scoring the weight canary of v{pending.bundle.version}"
+        canary = gather(pending.trainer_canary, what, max(0.0, pending.deadline - time.monotonic()), self.log_dir)[0]
+        return {
+            **self.canary.check(canary, answers, self.names),
+            "time/canary_s": engine_s + time.perf_counter() - waited,
+            "time/canary_trainer_s": canary.seconds,
         }
 
     def _idle_since_last_install(self, received: list[dict]) -> dict[str, float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_tpu.records import Canary
+from rl_tpu.records import CanaryTokens
 
 
 def full_distribution_params():
@@ -34,10 +34,10 @@ def canary_params():
     return SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
 
 
-def continuation_logprobs(outputs: list, canary: Canary) -> list[float]:
+def continuation_logprobs(outputs: list, tokens: CanaryTokens) -> list[float]:
     """From vLLM's outputs for the canary's sequences, each continuation token's logprob, in the trainer's order."""
     return [
         output.prompt_logprobs[position][sequence[position]].logprob
-        for output, sequence, start in zip(outputs, canary.sequences, canary.starts, strict=True)
+        for output, sequence, start in zip(outputs, tokens.sequences, tokens.starts, strict=True)
         for position in range(start, len(sequence))
     ]

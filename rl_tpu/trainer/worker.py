@@ -26,11 +26,10 @@ from rl_tpu.cluster.device import Device
 from rl_tpu.config import RunConfig
 from rl_tpu.models.hf import hf_name
 from rl_tpu.models.logprobs import next_token_logprobs
-from rl_tpu.records import Canary, TrainBatch, WeightBundle
+from rl_tpu.records import Canary, CanaryTokens, TrainBatch, WeightBundle
 from rl_tpu.sync.endpoints import pack_buckets
 from rl_tpu.sync.registry import make_transport
-from rl_tpu.trainer import checkpoint, lora, weights
-from rl_tpu.trainer.canary import TrainerCanary
+from rl_tpu.trainer import canary, checkpoint, lora, weights
 from rl_tpu.trainer.parallelize import materialize, parallelize
 from rl_tpu.trainer.update import PolicyUpdate
 
@@ -94,7 +93,6 @@ class TrainerWorker:
         self.optimizer = self.update.optimizer
         self.served_dtype = cfg.model.torch_dtype
         self.served = weights.served_params(self.model, self.lora_sync)  # what each sync sends, by served name
-        self.canary = TrainerCanary(model_path, str(cfg.model.dtype)) if cfg.sync.canary.enable else None
         # a LoRA policy's base never changes: its checksum, taken once, goes with every adapter for the engines to
         # compare, and with every checkpoint for a resumed run to compare
         self.base_checksum = weights.base_checksum(self.model, self.served_dtype, rank) if self.lora_sync else None
@@ -169,9 +167,9 @@ class TrainerWorker:
         """The policy's full next-token log-softmax rows (`rl_tpu.consistency`); world size 1 only."""
         return next_token_logprobs(self.model.eval(), sequences, self.device.torch_device)
 
-    def score_canary(self, version: int) -> Canary | None:
-        """The canary under the policy's weights now, as `version` (`rl_tpu/trainer/canary.py`); None: disabled."""
-        return self.canary.score(self.model, version, self.device.torch_device) if self.canary else None
+    def score_canary(self, version: int, tokens: CanaryTokens) -> Canary:
+        """The weight canary under the policy's weights now, as `version` (`rl_tpu/trainer/canary.py`)."""
+        return canary.score_canary(self.model, tokens, version, str(self.cfg.model.dtype), self.device.torch_device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights in Hugging Face names on every rank's CPU (collective: all ranks call it)."""
@@ -193,11 +191,8 @@ class TrainerWorker:
         otherwise rank 0 sends them all and the other ranks' parts are empty."""
         senders = self.world_size if self.transport.any_rank_sends else 1
         bundle = pack_buckets(self.served_buckets(senders), version, self.transport)
-        canary = self.score_canary(version)  # on every rank (an FSDP forward is collective), once the buckets left
         if release_memory:  # colocated: the engine wakes on this device next
             self.device.release_cached_memory()
-        if self.rank == 0:
-            bundle = replace(bundle, canary=canary)
         if self.lora_sync == "adapter" and self.rank == 0:
             bundle = replace(bundle, adapter=self.adapter_config, base_checksum=self.base_checksum)
         return bundle

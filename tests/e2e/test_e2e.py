@@ -34,6 +34,7 @@ STEP_KEYS = {
     "sync/version",
     "rollout/weight_version",
     "sync/mb_per_s",
+    "sync/canary_gap",  # the weight canary after each install (rl_tpu/sync/canary.py)
 }
 
 

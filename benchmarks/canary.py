@@ -1,0 +1,168 @@
+"""The weight canary's figures (rl_tpu/sync/canary.py): the gap a correct install shows, how far one update moves
+the canary (what a stale engine's gap would be), and what the canary costs against a step.
+
+Tiny recipe: `grpo_math` and `grpo_math_lora`, fp32 and bf16, one CLI run of --steps steps each (the tiny model
+the recipe builds, held-out evaluation cut to 32 prompts); per install, `sync/canary_gap`, `sync/canary_gap_mean`,
+`sync/canary_moved` and `time/canary_s` (the trainer's scoring inside its publish, then the engine's after its load:
+both on the step's path in sync mode) against `time/step_s`, read from metrics.jsonl (step 0: the version-0 canary).
+0.5B shape: `real_size.py`'s Qwen2.5-0.5B-shaped model (random init, 151,936-entry vocabulary), a trainer rank and
+an engine started as a run starts them, fp32 and bf16 (fp32 residual, the default); the version-0 canary scored
+--repeats times: its gap (a correct install's: both sides hold the same weights) and each side's seconds, seen from
+the driver, against the 0.5B step of benchmarks/results/real_size.json (world size 1).
+
+    python benchmarks/canary.py                   # about 20 minutes on 2 cores; writes benchmarks/results/canary.json
+    python benchmarks/canary.py --shapes tiny     # the tiny recipe only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from real_size import build_model_in_subprocess
+from record import write_record  # beside this script
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TINY_RUNS = {  # name: (recipe, dtype)
+    "grpo_math fp32": ("grpo_math", "float32"),
+    "grpo_math bf16": ("grpo_math", "bfloat16"),
+    "grpo_math_lora fp32": ("grpo_math_lora", "float32"),
+    "grpo_math_lora bf16": ("grpo_math_lora", "bfloat16"),
+}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "max": max(values), "min": min(values)}
+
+
+def tiny_run(recipe: str, dtype: str, steps: int, folder: Path) -> dict:
+    """One CLI run of the recipe; the canary's figures of each install, and their spread."""
+    command = [
+        sys.executable,
+        "-m",
+        "rl_tpu.main",
+        f"+recipe={recipe}",
+        f"model.dtype={dtype}",
+        f"trainer.total_steps={steps}",
+        "trainer.eval_every=100000",
+        "data.val_max_samples=32",
+        "trainer.plots=false",
+        f"hydra.run.dir={folder}",
+    ]
+    started = time.perf_counter()
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True, timeout=3600)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = [r for r in rows if r["step"] > 0 and "sync/canary_gap" in r]
+    keys = ("sync/canary_gap", "sync/canary_gap_mean", "sync/canary_moved", "time/canary_s", "time/step_s")
+    each = {key: [r[key] for r in steps_rows if key in r] for key in keys}
+    # the first step's time holds one-off work (the engine's first generations): the cost is measured without it
+    later = [r for r in steps_rows if r["step"] > 1]
+    return {
+        "recipe": recipe,
+        "dtype": dtype,
+        "wall_s": time.perf_counter() - started,
+        "gap_at_start": rows[0]["sync/canary_gap"],
+        "gap_mean_at_start": rows[0]["sync/canary_gap_mean"],
+        "per_install": each,
+        **{key.split("/")[1]: spread(values) for key, values in each.items() if values},
+        "canary_share_of_step": statistics.median(r["time/canary_s"] / r["time/step_s"] for r in later),
+        "load_average": os.getloadavg(),
+    }
+
+
+def shape_config(model: Path, dtype: str):
+    from rl_tpu.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.device, cfg.model.path, cfg.model.dtype = "cpu", str(model), dtype
+    cfg.sampler.kv_cache_gb, cfg.data.max_prompt_length, cfg.sampler.response_length = 0.5, 64, 16
+    cfg.ray.object_store_mb = 2048
+    return cfg
+
+
+def shape_canary(model: Path, dtype: str, repeats: int, folder: Path) -> dict:
+    """The version-0 canary at the model's shape, `repeats` times: the gap and each side's seconds."""
+    import ray
+
+    from rl_tpu.cluster.placement import start_ray
+    from rl_tpu.controller.actors import start_actors
+
+    cfg = shape_config(model, dtype)
+    start_ray(cfg.ray, 2 * 2**30)
+    try:
+        actors = start_actors(cfg, model, folder, "cpu")
+        try:
+            gaps, means, trainer_s, engine_s = [], [], [], []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                canary = actors.on_trainers("score_canary", "scoring the canary", 0)[0]
+                middle = time.perf_counter()
+                figures = actors.samplers.check_canary(canary, 600)
+                trainer_s.append(middle - start)
+                engine_s.append(time.perf_counter() - middle)
+                gaps.append(figures["sync/canary_gap"])
+                means.append(figures["sync/canary_gap_mean"])
+        finally:
+            actors.shutdown()
+    finally:
+        ray.shutdown()
+    return {
+        "dtype": dtype,
+        "tokens": len(canary.logprobs),
+        "gap": max(gaps),
+        "gap_mean": max(means),
+        "trainer_s": spread(trainer_s),
+        "engine_s": spread(engine_s),
+        "load_average": os.getloadavg(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "0.5b"], choices=["tiny", "0.5b"])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "canary.json")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    figures: dict = {"args": vars(args) | {"out": str(args.out)}}
+    with tempfile.TemporaryDirectory() as tmp:
+        if "tiny" in args.shapes:
+            figures["tiny"] = {}
+            for name, (recipe, dtype) in TINY_RUNS.items():
+                figures["tiny"][name] = tiny_run(recipe, dtype, args.steps, Path(tmp) / name.replace(" ", "_"))
+                run = figures["tiny"][name]
+                print(
+                    f"{name}: gap {run['canary_gap']['max']:.3g} at most (start {run['gap_at_start']:.3g}), one "
+                    f"update moved it {run['canary_moved']['min']:.3g} at least; the canary "
+                    f"{100 * run['canary_share_of_step']:.2f}% of a step",
+                    flush=True,
+                )
+        if "0.5b" in args.shapes:
+            model = build_model_in_subprocess(Path(tmp) / "model")
+            step_s = json.loads((REPO / "benchmarks/results/real_size.json").read_text())["runs"][0]["step_s"]
+            figures["0.5b"] = {"step_s_of_real_size_json": step_s}
+            for dtype in ("float32", "bfloat16"):
+                shape = shape_canary(model, dtype, args.repeats, Path(tmp) / f"shape_{dtype}")
+                cost = shape["trainer_s"]["median"] + shape["engine_s"]["median"]
+                shape["canary_share_of_step"] = cost / step_s
+                figures["0.5b"][dtype] = shape
+                print(
+                    f"0.5b {dtype}: gap {shape['gap']:.3g}; {cost:.2f} s, {100 * cost / step_s:.2f}% of a "
+                    f"{step_s:.0f} s step",
+                    flush=True,
+                )
+    write_record(args.out, load_before, **figures)
+
+
+if __name__ == "__main__":
+    main()
