@@ -3,12 +3,14 @@ the canary (what a stale engine's gap would be), and what the canary costs again
 
 Tiny recipe: `grpo_math` and `grpo_math_lora`, fp32 and bf16, one CLI run of --steps steps each (the tiny model
 the recipe builds, held-out evaluation cut to 32 prompts); per install, `sync/canary_gap`, `sync/canary_gap_mean`,
-`sync/canary_moved` and `time/canary_s` (the trainer's scoring inside its publish, then the engine's after its load:
-both on the step's path in sync mode) against `time/step_s`, read from metrics.jsonl (step 0: the version-0 canary).
+`sync/canary_moved`, `time/canary_s` (the engine's scoring after its load: what the canary adds to the step's path
+in sync mode) and `time/canary_trainer_s` (the trainer's, beside the install and the next generation in sync mode,
+on the trainer's path in async mode) against `time/step_s`, read from metrics.jsonl (step 0: the version-0 canary).
 0.5B shape: `real_size.py`'s Qwen2.5-0.5B-shaped model (random init, 151,936-entry vocabulary), a trainer rank and
 an engine started as a run starts them, fp32 and bf16 (fp32 residual, the default); the version-0 canary scored
 --repeats times: its gap (a correct install's: both sides hold the same weights) and each side's seconds, seen from
-the driver, against the 0.5B step of benchmarks/results/real_size.json (world size 1).
+the driver, one after the other (in a run they overlap), against the 0.5B step of benchmarks/results/real_size.json
+(world size 1).
 
     python benchmarks/canary.py                   # about 20 minutes on 2 cores; writes benchmarks/results/canary.json
     python benchmarks/canary.py --shapes tiny     # the tiny recipe only
@@ -63,6 +65,7 @@ def tiny_run(recipe: str, dtype: str, steps: int, folder: Path) -> dict:
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     steps_rows = [r for r in rows if r["step"] > 0 and "sync/canary_gap" in r]
     keys = ("sync/canary_gap", "sync/canary_gap_mean", "sync/canary_moved", "time/canary_s", "time/step_s")
+    keys += ("time/canary_trainer_s",)
     each = {key: [r[key] for r in steps_rows if key in r] for key in keys}
     # the first step's time holds one-off work (the engine's first generations): the cost is measured without it
     later = [r for r in steps_rows if r["step"] > 1]
@@ -75,6 +78,7 @@ def tiny_run(recipe: str, dtype: str, steps: int, folder: Path) -> dict:
         "per_install": each,
         **{key.split("/")[1]: spread(values) for key, values in each.items() if values},
         "canary_share_of_step": statistics.median(r["time/canary_s"] / r["time/step_s"] for r in later),
+        "trainer_canary_share_of_step": statistics.median(r["time/canary_trainer_s"] / r["time/step_s"] for r in later),
         "load_average": os.getloadavg(),
     }
 
@@ -104,9 +108,10 @@ def shape_canary(model: Path, dtype: str, repeats: int, folder: Path) -> dict:
             gaps, means, trainer_s, engine_s = [], [], [], []
             for _ in range(repeats):
                 start = time.perf_counter()
-                canary = actors.on_trainers("score_canary", "scoring the canary", 0)[0]
+                trainer = actors.on_trainers("score_canary", "scoring the canary", 0, actors.canary)
                 middle = time.perf_counter()
-                figures = actors.samplers.check_canary(canary, 600)
+                calls = [(name, ray.put(canary)) for name, canary in zip(actors.trainer_names, trainer)]
+                figures = actors.samplers.check_canary(actors.canary, calls, 600)
                 trainer_s.append(middle - start)
                 engine_s.append(time.perf_counter() - middle)
                 gaps.append(figures["sync/canary_gap"])
@@ -117,7 +122,7 @@ def shape_canary(model: Path, dtype: str, repeats: int, folder: Path) -> dict:
         ray.shutdown()
     return {
         "dtype": dtype,
-        "tokens": len(canary.logprobs),
+        "tokens": len(trainer[0].logprobs),
         "gap": max(gaps),
         "gap_mean": max(means),
         "trainer_s": spread(trainer_s),

@@ -175,6 +175,7 @@ def train(job: Job, restarted: bool) -> None:
             if step % cfg.trainer.eval_every == 0 or step == total:
                 pending_eval = evaluation.start_eval(actors.samplers, job.eval_examples, cfg, step == total)
             queue.fill_after(step)  # behind the evaluation on the sampler: this step's weights or older
+            metrics.update(actors.samplers.settle_canary())  # the install's canary (async: the install before's)
             if pending_eval is not None:
                 metrics.update(pending_eval.finish(job.tokenizer, job.grader, timeout))
                 recorder.write_eval(step, pending_eval.greedy_graded)
@@ -183,6 +184,7 @@ def train(job: Job, restarted: bool) -> None:
                 save_checkpoint(job, actors, step, queue, signal)
                 saved = step
         actors.samplers.finish_install()  # async: the last step's (its evaluation waited for it already)
+        actors.samplers.settle_canary()
         if cfg.trainer.export:
             actors.on_trainers("export", "exporting the policy", str(job.run_dir / "export"))
             adapter = cfg.lora_sync is not None  # the export is the adapter, in fp32 (its master weights)

@@ -40,8 +40,9 @@ def grpo_step(
     with phases("publish"):
         bundle = actors.publish(step)
     with phases("install"):
-        # async: the engines install while the trainer goes on to the next step, which reports this install's figures
-        received = actors.install(bundle, wait=not cfg.trainer.is_async)
+        # async: the engines install while the trainer goes on to the next step, which reports this install's figures.
+        # The canary is checked once the next batch is on its way (run.py): the trainer's scoring runs meanwhile
+        received = actors.install(bundle, wait=not cfg.trainer.is_async, settle=False)
     timings = time_metrics(phases, train, sum(len(r.completion_ids) for r in sampled.generated.rollouts))
     return {
         **rollout_metrics(step, sampled),
@@ -110,6 +111,5 @@ def install_metrics(received: dict[str, float]) -> dict[str, float]:
         "sync/receive_s": received["receive_s"],
         "sync/install_wait_s": received["install_wait_s"],  # for the engine's generation under way to end
         "perf/sampler_peak_rss_mb": received["peak_rss_mb"],
-        # time/sampler_idle_s, and the canary's gaps (rl_tpu/sync/canary.py)
-        **{k: v for k, v in received.items() if k.startswith(("time/", "sampler/", "sync/canary"))},
+        **{k: v for k, v in received.items() if k.startswith(("time/", "sampler/"))},  # time/sampler_idle_s
     }

@@ -100,6 +100,18 @@ class PendingInstall:
 
 
 @dataclass
+class HeldCanary:
+    """An install's canary whose engines answered, held until the trainer's score of it is waited for
+    (SamplerPool.settle_canary)."""
+
+    version: int
+    answers: list  # each engine's
+    engine_s: float  # the slowest engine's scoring
+    trainer: list[tuple[str, object]]  # the trainer ranks' canary calls, rank 0's first
+    deadline: float
+
+
+@dataclass
 class SamplerPool:
     engines: list  # Ray actor handles of `Sampler`, engine order
     log_dir: str | None = None
@@ -112,6 +124,7 @@ class SamplerPool:
     sent_since_install: dict[int, list] = field(default_factory=dict)
     restarts: EngineRestarts = field(init=False)  # lost engines brought back in place (with `recovery`)
     canary: CanaryWatch = field(default_factory=CanaryWatch)  # checks each install's canary answers
+    held: HeldCanary | None = None  # the last install's canary, until settle_canary checks it
 
     def __post_init__(self, recovery: EngineRecovery | None) -> None:
         self.restarts = EngineRestarts(self.engines, self.log_dir, recovery)
@@ -160,10 +173,10 @@ class SamplerPool:
         return self.canary.check(canary, answers, self.names)
 
     def install(self, bundle: WeightBundle, timeout_s: float, trainer_canary: list | None = None) -> dict[str, float]:
-        """Install in every engine; the first engine's timings and each engine's served version (and the canary's
-        figures, with `trainer_canary`: see `start_install`)."""
+        """Install in every engine; the first engine's timings, each engine's served version and, with
+        `trainer_canary` (see `start_install`), the canary's figures once checked."""
         self.start_install(bundle, timeout_s, trainer_canary)
-        return self.finish_install()
+        return {**self.finish_install(), **self.settle_canary()}
 
     def start_install(
         self, bundle: WeightBundle, timeout_s: float, trainer_canary: list | None = None
@@ -171,7 +184,8 @@ class SamplerPool:
         """Send the install to every engine without waiting for it (finish_install waits, within timeout_s);
         generations sent meanwhile wait for it on their engine. Returns the figures of the install before, if
         it was not waited for yet (empty if none was pending). `trainer_canary`: the trainer ranks' calls that score
-        the bundle's canary (`(name, ObjectRef)`, rank 0's first), checked against the engines' when it finishes."""
+        the bundle's canary (`(name, ObjectRef)`, rank 0's first), held with the engines' answers when the install
+        finishes, and checked against them by `settle_canary`."""
         previous = self.finish_install()
         # each engine loads it after the generations sent before it (in a list: Ray passes them unresolved, so the
         # bundle is fetched and verified meanwhile): every batch's weights follow from the order of the calls alone
@@ -184,7 +198,8 @@ class SamplerPool:
         return previous
 
     def finish_install(self) -> dict[str, float]:
-        """Wait for the pending install (if any); its figures, as the install method returns them."""
+        """Wait for the pending install (if any); its figures, as the install method returns them. Its canary
+        answers are held for `settle_canary` (a canary held from an install before is checked first)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return {}
@@ -208,33 +223,37 @@ class SamplerPool:
             raise RuntimeError(
                 f"after installing v{bundle.version} the engines serve versions {[r['version'] for r in received]}"
             )
-        canary = self._checked_canary(pending, received)
+        self._hold_canary(pending, received)
         metrics = {f"sampler/engine_{i}/weight_version": float(r["version"]) for i, r in enumerate(received)}
         return {
             **received[0],
-            **canary,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in received),
             **metrics,
             "sampler/restarts": float(self.restarts.count),
             **self._idle_since_last_install(received),
         }
 
-    def _checked_canary(self, pending: PendingInstall, received: list[dict]) -> dict[str, float]:
-        """Each engine's canary answer taken out of its figures and checked against the trainer's (`CanaryWatch`);
-        the canary's figures, its cost among them: `time/canary_s`, the engines' scoring and then the wait for the
-        trainer's (which ran beside the install), and `time/canary_trainer_s`, the trainer's own scoring."""
+    def _hold_canary(self, pending: PendingInstall, received: list[dict]) -> None:
+        """Take each engine's canary answer out of its figures and hold them with the trainer's calls."""
         answers = [r.pop("canary", None) for r in received]
         engine_s = max(r.pop("canary_s", 0.0) for r in received)
-        if pending.bundle.canary is None or not pending.trainer_canary:
+        self.settle_canary()  # one nobody settled is still checked: a canary is never skipped
+        if pending.bundle.canary is not None and pending.trainer_canary:
+            version, trainer = pending.bundle.version, pending.trainer_canary
+            self.held = HeldCanary(version, answers, engine_s, trainer, pending.deadline)
+
+    def settle_canary(self) -> dict[str, float]:
+        """Check the held canary (the last finished install's) against the trainer's score of it, which ran beside
+        the install and, in a run, beside what follows until the next batch is sent (`rl_tpu/sync/canary.py`).
+        Its figures for the step's metrics (none held: empty); `time/canary_s` is the engines' scoring, on their
+        way from the install to the next generation, `time/canary_trainer_s` the trainer's."""
+        held, self.held = self.held, None
+        if held is None:
             return {}
-        waited = time.perf_counter()
-        what = f"scoring the weight canary of v{pending.bundle.version}"
-        canary = gather(pending.trainer_canary, what, max(0.0, pending.deadline - time.monotonic()), self.log_dir)[0]
-        return {
-            **self.canary.check(canary, answers, self.names),
-            "time/canary_s": engine_s + time.perf_counter() - waited,
-            "time/canary_trainer_s": canary.seconds,
-        }
+        what = f"scoring the weight canary of v{held.version}"
+        canary = gather(held.trainer, what, max(0.0, held.deadline - time.monotonic()), self.log_dir)[0]
+        figures = self.canary.check(canary, held.answers, self.names)
+        return {**figures, "time/canary_s": held.engine_s, "time/canary_trainer_s": canary.seconds}
 
     def _idle_since_last_install(self, received: list[dict]) -> dict[str, float]:
         """`time/sampler_idle_s`: seconds since the previous install in which the engines (on average) neither

@@ -149,14 +149,15 @@ def test_an_evaluation_before_the_first_sync_is_stopped_by_the_version_0_canary(
     assert step(full, seed=2)["sync/canary_gap"] < BOUNDS["float32"]  # in sync again
 
 
-def test_an_install_that_keeps_the_old_weights_is_caught_when_its_figures_arrive_async(full):
+def test_an_install_that_keeps_the_old_weights_is_caught_async(full):
     engine = full.samplers.engines[0]
     in_actor(engine, keep_old_weights, True)
     try:
         version = full.samplers.version + 1
         assert step(full, seed=3, wait=False) == {}  # async: the install is sent, its figures come at the next step
+        full.samplers.finish_install()  # the engines' answers, held until the trainer's score is waited for
         with pytest.raises(CanaryError, match=rf"sampler_0 failed the weight canary after installing v{version}: "):
-            full.samplers.finish_install()
+            full.samplers.settle_canary()
     finally:
         in_actor(engine, keep_old_weights, False)
 
