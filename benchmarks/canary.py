@@ -5,7 +5,12 @@ Tiny recipe: `grpo_math` and `grpo_math_lora`, fp32 and bf16, one CLI run of --s
 the recipe builds, held-out evaluation cut to 32 prompts); per install, `sync/canary_gap`, `sync/canary_gap_mean`,
 `sync/canary_moved`, `time/canary_s` (the engine's scoring after its load: what the canary adds to the step's path
 in sync mode) and `time/canary_trainer_s` (the trainer's, beside the install and the next generation in sync mode,
-on the trainer's path in async mode) against `time/step_s`, read from metrics.jsonl (step 0: the version-0 canary).
+on the trainer's path in async mode) against `time/step_s` and against the step's wall time (`time/elapsed_s` from
+the line before), read from metrics.jsonl (step 0: the version-0 canary); the first step is left out of the shares.
+LoRA's first use: with `grpo_math_lora`'s settings in bf16 (the shipped tiny model, synthetic batches), after each of
+--repeats installs the engine's scoring inside the install (`time/canary_s`) and then the same canary scored again:
+the first request after an install pays for vLLM making the new adapter active, which the next generation would
+pay otherwise.
 0.5B shape: `real_size.py`'s Qwen2.5-0.5B-shaped model (random init, 151,936-entry vocabulary), a trainer rank and
 an engine started as a run starts them, fp32 and bf16 (fp32 residual, the default); the version-0 canary scored
 --repeats times: its gap (a correct install's: both sides hold the same weights) and each side's seconds, seen from
@@ -67,8 +72,10 @@ def tiny_run(recipe: str, dtype: str, steps: int, folder: Path) -> dict:
     keys = ("sync/canary_gap", "sync/canary_gap_mean", "sync/canary_moved", "time/canary_s", "time/step_s")
     keys += ("time/canary_trainer_s",)
     each = {key: [r[key] for r in steps_rows if key in r] for key in keys}
-    # the first step's time holds one-off work (the engine's first generations): the cost is measured without it
+    # the first step's time holds one-off work (the engine's first generations): the cost is measured without it.
+    # A step's wall time: from the line before to its own (time/step_s leaves out what the driver does between steps)
     later = [r for r in steps_rows if r["step"] > 1]
+    wall = {r["step"]: r["time/elapsed_s"] - rows[i - 1]["time/elapsed_s"] for i, r in enumerate(rows) if i}
     return {
         "recipe": recipe,
         "dtype": dtype,
@@ -77,10 +84,53 @@ def tiny_run(recipe: str, dtype: str, steps: int, folder: Path) -> dict:
         "gap_mean_at_start": rows[0]["sync/canary_gap_mean"],
         "per_install": each,
         **{key.split("/")[1]: spread(values) for key, values in each.items() if values},
+        "step_wall_s": spread([wall[r["step"]] for r in later]),
         "canary_share_of_step": statistics.median(r["time/canary_s"] / r["time/step_s"] for r in later),
+        "canary_share_of_step_wall": statistics.median(r["time/canary_s"] / wall[r["step"]] for r in later),
         "trainer_canary_share_of_step": statistics.median(r["time/canary_trainer_s"] / r["time/step_s"] for r in later),
         "load_average": os.getloadavg(),
     }
+
+
+def timed_canary(sampler, tokens) -> float:
+    """Run inside the engine: its scoring of the canary, in seconds, as the install times it."""
+    start = time.perf_counter()
+    sampler.score_canary(tokens)
+    return time.perf_counter() - start
+
+
+def lora_first_use(repeats: int, folder: Path) -> dict:
+    """The engine's canary inside each install against the same canary scored right after, LoRA in bf16."""
+    import ray
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import make_batch
+
+    from rl_tpu.cluster.placement import start_ray
+    from rl_tpu.config import RunConfig
+    from rl_tpu.controller.actors import start_actors
+    from rl_tpu.models.shipped import SHIPPED, read_manifest
+
+    model = SHIPPED / next(key for key, entry in read_manifest().items() if entry["name"] == "grpo_math")
+    cfg = RunConfig()
+    cfg.device, cfg.model.dtype, cfg.sampler.kv_cache_gb = "cpu", "bfloat16", 0.25
+    cfg.actor.lora.lora_rank, cfg.algorithm.lr = 8, 5e-4
+    start_ray(cfg.ray, 2**26)
+    first, again = [], []
+    try:
+        actors = start_actors(cfg, model, folder, "cpu")
+        engine = actors.samplers.engines[0]
+        try:
+            for version in range(1, repeats + 1):
+                actors.train(make_batch(version))
+                actors.install(actors.publish(version))
+                first.append(actors.samplers.settle_canary()["time/canary_s"])
+                again.append(ray.get(engine.__ray_call__.remote(timed_canary, actors.canary), timeout=600))
+        finally:
+            actors.shutdown()
+    finally:
+        ray.shutdown()
+    return {"in_install_s": spread(first), "again_s": spread(again), "load_average": os.getloadavg()}
 
 
 def shape_config(model: Path, dtype: str):
@@ -133,7 +183,7 @@ def shape_canary(model: Path, dtype: str, repeats: int, folder: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["tiny", "0.5b"], choices=["tiny", "0.5b"])
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "lora", "0.5b"], choices=["tiny", "lora", "0.5b"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "canary.json")
@@ -149,9 +199,18 @@ def main() -> None:
                 print(
                     f"{name}: gap {run['canary_gap']['max']:.3g} at most (start {run['gap_at_start']:.3g}), one "
                     f"update moved it {run['canary_moved']['min']:.3g} at least; the canary "
-                    f"{100 * run['canary_share_of_step']:.2f}% of a step",
+                    f"{100 * run['canary_share_of_step']:.2f}% of time/step_s, "
+                    f"{100 * run['canary_share_of_step_wall']:.2f}% of a step's wall time",
                     flush=True,
                 )
+        if "lora" in args.shapes:
+            figures["lora_first_use"] = lora_first_use(2 * args.steps, Path(tmp) / "lora_first_use")
+            use = figures["lora_first_use"]
+            print(
+                f"LoRA bf16: the canary inside the install {1000 * use['in_install_s']['median']:.1f} ms, again "
+                f"{1000 * use['again_s']['median']:.1f} ms (medians)",
+                flush=True,
+            )
         if "0.5b" in args.shapes:
             model = build_model_in_subprocess(Path(tmp) / "model")
             step_s = json.loads((REPO / "benchmarks/results/real_size.json").read_text())["runs"][0]["step_s"]

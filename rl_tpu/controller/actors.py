@@ -91,9 +91,9 @@ class ActorHandles:
             self.on_trainers("publish_weights", f"publishing weights v{version}", version, release)
         )
 
-    def install(self, bundle: WeightBundle, wait: bool = True, settle: bool = True) -> dict[str, float]:
-        """Every engine installs the bundle (woken first if it slept while the trainer trained); its figures, with
-        the weight canary's once checked (`settle`; else the pool holds it for `SamplerPool.settle_canary`).
+    def install(self, bundle: WeightBundle, wait: bool = True) -> dict[str, float]:
+        """Every engine installs the bundle (woken first if it slept while the trainer trained); its figures. The
+        weight canary's answers are held until `SamplerPool.settle_canary` checks them against the trainer's.
 
         Without waiting (wait=False) it sends the bundle and returns at once, with the figures of the install
         before if that one was not waited for (none at first); generations sent after it wait for it on their
@@ -103,10 +103,9 @@ class ActorHandles:
             self.samplers.call("wake_up", "waking the engines", timeout)
         if self.canary is not None:  # the engines score it after their load; the trainer ranks meanwhile
             bundle, trainer = dataclasses.replace(bundle, canary=self.canary), self.trainer_canary(bundle.version)
-        if wait and settle:
+        if wait:
             return self.samplers.install(bundle, timeout, trainer)
-        figures = self.samplers.start_install(bundle, timeout, trainer)
-        return self.samplers.finish_install() if wait else figures
+        return self.samplers.start_install(bundle, timeout, trainer)
 
     def trainer_canary(self, version: int) -> list[tuple[str, object]]:
         """Every rank scores the canary under its weights now, as `version` (an FSDP forward is collective): the

@@ -124,6 +124,7 @@ def resume(job: Job, actors: ActorHandles, restarted: bool) -> tuple[int, Path |
     step = checkpoints.step_of(checkpoint)
     actors.on_trainers("load_checkpoint", f"loading checkpoint {checkpoint}", str(checkpoint))
     actors.install(actors.publish(step))
+    actors.samplers.settle_canary()  # the engines serve the checkpoint's weights before anything is generated
     job.logger.truncate_after(step if checkpoints.in_folder(checkpoint, job.run_dir) else None)
     log.info("resumed from %s at step %d", checkpoint, step)
     return step, checkpoint

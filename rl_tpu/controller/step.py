@@ -41,8 +41,8 @@ def grpo_step(
         bundle = actors.publish(step)
     with phases("install"):
         # async: the engines install while the trainer goes on to the next step, which reports this install's figures.
-        # The canary is checked once the next batch is on its way (run.py): the trainer's scoring runs meanwhile
-        received = actors.install(bundle, wait=not cfg.trainer.is_async, settle=False)
+        # Its canary is checked once the next batch is on its way (run.py): the trainer's scoring runs meanwhile
+        received = actors.install(bundle, wait=not cfg.trainer.is_async)
     timings = time_metrics(phases, train, sum(len(r.completion_ids) for r in sampled.generated.rollouts))
     return {
         **rollout_metrics(step, sampled),

@@ -173,10 +173,10 @@ class SamplerPool:
         return self.canary.check(canary, answers, self.names)
 
     def install(self, bundle: WeightBundle, timeout_s: float, trainer_canary: list | None = None) -> dict[str, float]:
-        """Install in every engine; the first engine's timings, each engine's served version and, with
-        `trainer_canary` (see `start_install`), the canary's figures once checked."""
+        """Install in every engine; the first engine's timings and each engine's served version (the canary is
+        held: `start_install`)."""
         self.start_install(bundle, timeout_s, trainer_canary)
-        return {**self.finish_install(), **self.settle_canary()}
+        return self.finish_install()
 
     def start_install(
         self, bundle: WeightBundle, timeout_s: float, trainer_canary: list | None = None

@@ -60,9 +60,10 @@ def in_actor(handle, function, *args):
 
 
 def step(actors: ActorHandles, seed: int, wait: bool = True) -> dict[str, float]:
-    """One update, its weights published as the next version and installed: the install's figures."""
+    """One update, its weights published as the next version and installed: the install's figures, and its
+    canary's once checked (as a run checks it once the next batch is sent; async: the install before's)."""
     actors.train(make_batch(seed))
-    return actors.install(actors.publish(actors.samplers.version + 1), wait=wait)
+    return {**actors.install(actors.publish(actors.samplers.version + 1), wait=wait), **actors.samplers.settle_canary()}
 
 
 # --- faults, each run inside the engine's or the trainer's process
@@ -164,12 +165,16 @@ def test_an_install_that_keeps_the_old_weights_is_caught_async(full):
 
 def test_a_tied_head_left_stale_after_an_embedding_only_update_is_caught(full):
     engine = full.samplers.engines[0]
+    in_actor(full.trainers[0], embedding_only_update, make_batch(4))  # with rl_tpu's handling: served
+    full.install(full.publish(full.samplers.version + 1))
+    assert full.samplers.settle_canary()["sync/canary_gap"] < BOUNDS["float32"]
     in_actor(engine, forget_tied_head, True)
     try:
-        in_actor(full.trainers[0], embedding_only_update, make_batch(4))
+        in_actor(full.trainers[0], embedding_only_update, make_batch(5))
         version = full.samplers.version + 1
+        full.install(full.publish(version))
         with pytest.raises(CanaryError, match=rf"sampler_0 failed the weight canary after installing v{version}: "):
-            full.install(full.publish(version))
+            full.samplers.settle_canary()
     finally:
         in_actor(engine, forget_tied_head, False)
 
@@ -178,10 +183,10 @@ def test_an_engine_woken_from_sleep_without_reloading_is_caught(full):
     engine = full.samplers.engines[0]
     in_actor(engine, sleep_without_reload, True)
     try:
-        step(full, seed=5)
+        step(full, seed=6)
         in_actor(engine, fall_asleep)
         with pytest.raises(CanaryError, match=r"sampler_0 failed the weight canary after installing v\d+: "):
-            step(full, seed=6)
+            step(full, seed=7)
     finally:
         in_actor(engine, sleep_without_reload, False)
 
