@@ -8,8 +8,7 @@ from typing import Optional
 
 @dataclass
 class CanaryConfig:
-    # after every install (and at start, before the first evaluation) each engine scores a fixed canary and the
-    # run stops when its logprobs are further than sync.canary.max_gap from the trainer's (rl_tpu/sync/canary.py)
+    # each engine scores a fixed canary after every install and at start; unlike the trainer's, it stops the run
     enable: bool = True
     # the largest per-token logprob gap allowed; null: by dtype (float32 2e-4, bfloat16 1.0: docs/reliability.md)
     max_gap: Optional[float] = None

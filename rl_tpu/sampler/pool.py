@@ -3,8 +3,9 @@
 Prompts are split into contiguous chunks of nearly equal size, one per engine, and the rollouts
 come back in prompt order with each rollout's `group` the prompt's index in the whole batch.
 An install reaches every engine (for the collective transport, all engines take part in the
-same broadcast), and every engine must report the same version afterwards, and answer the bundle's
-canary as the trainer did (`rl_tpu/sync/canary.py`), checked when the install's figures arrive.
+same broadcast), and every engine must report the same version afterwards and answer the bundle's
+canary as the trainer does (`rl_tpu/sync/canary.py`): its answers are held when the install's figures
+arrive and checked by `settle_canary`.
 
 A lost engine (its process killed or crashed) is brought back in place when the pool has an
 `EngineRecovery` (rl_tpu/sampler/restarts.py), and the lost call is sent again.

@@ -1,8 +1,9 @@
 """Weight sync: the trainer publishes a versioned, checksummed weight bundle; the engines install it.
 
 Owns the bundle format (`bundle`), the sender's base class (`base`, importing nothing else of sync),
-one module per transport, the registry of transports by name (`registry`) and both ends of a sync
-(`endpoints.pack`, `endpoints.unpack`). May import `rl_tpu.records` and `rl_tpu.config` only.
+one module per transport, the registry of transports by name (`registry`), both ends of a sync
+(`endpoints.pack`, `endpoints.unpack`) and the weight canary's check that each installed version is served
+(`canary`). May import `rl_tpu.records` and `rl_tpu.config` only.
 
 Transports (`sync.transport`):
 - `object_store`: Ray's object store; readers on the same node get zero-copy numpy views.

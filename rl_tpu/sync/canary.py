@@ -4,12 +4,13 @@ Checksums prove which bytes arrived; they cannot see an install that kept the ol
 not applied, a tied head left stale or an engine woken from sleep without its weights. So right after an engine
 installs version v (and once at start, version 0, before the first evaluation) it scores a fixed canary: a few
 short prompts with continuations in the run's own tokenizer (`CanaryTokens`, sent with the bundle), through the
-adapter request the run's generations use (`rl_tpu/sampler/scoring.py`). Meanwhile trainer rank 0 scores the same
-tokens under the weights it published as v (`rl_tpu/trainer/canary.py`). When the install's figures arrive,
-`CanaryWatch` compares each engine's answer with the trainer's: the gap (the largest per-token logprob difference)
-must stay under a bound set by the dtype (`sync.canary.max_gap`), and an engine's canary must move when the
-trainer's moved (a stale engine's is bit for bit the one it gave for the version before). Either failing stops the
-run, naming the engine, the version and the gap. The figures and how the bounds were set: docs/reliability.md.
+adapter request the run's generations use (`rl_tpu/sampler/scoring.py`). Meanwhile the trainer ranks score the same
+tokens under the weights they published as v (`rl_tpu/trainer/canary.py`). Once the driver has sent the next batch
+(`SamplerPool.settle_canary`), `CanaryWatch` compares each engine's answer with trainer rank 0's: the gap (the
+largest per-token logprob difference) must stay under a bound set by the dtype (`sync.canary.max_gap`), and an
+engine's canary must move when the trainer's moved (a stale engine's is bit for bit the one it gave for the version
+before). Either failing stops the run, naming the engine, the version and the gap. The figures and how the bounds
+were set: docs/reliability.md.
 Imports records only (the trainer, the sampler and the controller use it).
 """
 
@@ -21,8 +22,8 @@ from typing import Sequence
 
 from rl_tpu.records import Canary, CanaryTokens, WeightSyncError
 
-# (prompt, continuation): arithmetic as the math recipes ask it, prose and code. Digits after "A:" are where a
-# model is least certain, where one update moves a logprob most.
+# (prompt, continuation): arithmetic as the math recipes ask it (an answer's digits are where such a model is least
+# certain, and an update moves their logprobs most), prose and code.
 CANARY_TEXTS = (
     ("Q: What is 47 + 38? A:", " 85. Q: What is 12 - 30? A: -18. Q: What is 6 + 9? A: 15."),
     ("Q: What is 99 - 58? A:", " 41. Q: What is 7 + 66? A: 73. Q: What is 50 - 4? A: 46."),
@@ -33,8 +34,9 @@ CANARY_TOKENS = 16  # each sequence's length: 4 x 16 tokens, one forward on each
 MAX_PROMPT_TOKENS = 6  # a prompt is cut to this many: the rest of the sequence is continuation, scored
 
 # The largest per-token logprob gap between an engine and the trainer, per dtype, past which the engine does not
-# serve the version the trainer published. Between what a correct install shows and what one update moves
-# (benchmarks/results/canary.json; docs/reliability.md gives both).
+# serve the version the trainer published: several times what a correct install shows; in fp32 far under what one
+# update moves, in bf16 not, where the still check below sees a stale engine (benchmarks/results/canary.json;
+# docs/reliability.md gives the figures).
 BOUNDS = {"float32": 2e-4, "bfloat16": 1.0}
 # An engine whose canary is bit for bit the last version's, while the trainer's moved by more than this share of the
 # bound, still serves that version: how a stale engine is seen where one update moves the canary less than the bound.
