@@ -16,6 +16,8 @@ from typing import Any
 from rl_tpu.episodes.loop import ToolCallParser
 from rl_tpu.grader.grader import Failure
 from rl_tpu.models.agreement import BOUNDS
+from rl_tpu.sync.canary import BOUNDS as CANARY_BOUNDS
+from rl_tpu.sync.canary import bound as canary_bound
 
 PASSED, FAILED, NOT_AVAILABLE = "passed", "FAILED", "not available"
 CANARY = "sync/canary_gap"  # the engine's canary logprobs after an install, against the trainer's (its largest gap)
@@ -162,14 +164,16 @@ def logprob_bound(dtype: str) -> float | None:
     return BOUNDS.get(dtype, {}).get("max_abs_logprob_diff")
 
 
-def canary(metrics: list[dict[str, Any]], dtype: str) -> Check:
-    """5. After each sync, the engine scores the canary as the trainer does with the weights it published."""
+def canary(metrics: list[dict[str, Any]], dtype: str, max_gap: float | None = None) -> Check:
+    """5. After each sync, the engine scores the canary as the trainer does with the weights it published, within
+    the canary's own bound (`sync.canary.max_gap`, or its dtype's: rl_tpu/sync/canary.py)."""
     name = "canary"
-    gaps, bound = _values(metrics, CANARY), logprob_bound(dtype)
+    gaps = _values(metrics, CANARY)
     if not gaps:
-        return unavailable(name, f"no step reported {CANARY} (this build scores no canary after a sync)")
-    if bound is None:
+        return unavailable(name, f"no step reported {CANARY} (sync.canary.enable=false)")
+    if max_gap is None and dtype not in CANARY_BOUNDS:
         return unavailable(name, f"no bound is set for model.dtype={dtype}")
+    bound = canary_bound(dtype, max_gap)[0]
     worst = max(gaps, key=lambda g: g if math.isfinite(g) else math.inf)
     if not worst <= bound:
         return Check(

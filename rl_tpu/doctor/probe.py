@@ -131,7 +131,7 @@ class DoctorWatch(RunWatch):
             checks.eos_reachable(metrics, cfg.completion_tokens, cfg.completion_keys),
             variance,
             checks.gradient(metrics, variance.status == PASSED),
-            checks.canary(metrics, cfg.model.dtype),
+            checks.canary(metrics, cfg.model.dtype, cfg.sync.canary.max_gap),
             self._tool_calls(),
             checks.logprob_gap(metrics, cfg.model.dtype, cfg.actor.old_logprob_source),
             self._before("reward plugin"),
