@@ -170,7 +170,6 @@ def train(job: Job, restarted: bool) -> None:
                 stop_early(job, actors, step - 1, saved, queue, signal)
             metrics, trained = grpo_step(step, queue, actors, job.tokenizer, job.grader, cfg, signal, recorder)
             guard.observe(step, metrics, trained.graded.prompts)
-            job.watch.step(step, metrics, trained.graded)  # before the log, which refuses a non-finite figure
             recorder.write_train(step, trained)
             pending_eval = None
             if step % cfg.trainer.eval_every == 0 or step == total:
@@ -180,6 +179,8 @@ def train(job: Job, restarted: bool) -> None:
             if pending_eval is not None:
                 metrics.update(pending_eval.finish(job.tokenizer, job.grader, timeout))
                 recorder.write_eval(step, pending_eval.greedy_graded)
+            # with the step's canary and evaluation; before the log, which refuses a non-finite figure
+            job.watch.step(step, metrics, trained.graded)
             logger.log(step, {**metrics, "time/record_s": recorder.take_seconds()})
             if (checkpoint_every and step % checkpoint_every == 0) or (step == total and cfg.trainer.checkpoint_final):
                 save_checkpoint(job, actors, step, queue, signal)

@@ -123,11 +123,13 @@ def test_generations_sent_behind_an_install_not_waited_for_run_with_its_weights(
     ]
     pool = SamplerPool(engines)
     sent = time.monotonic()
-    assert pool.start_install(SimpleNamespace(version=1, bad=False), timeout_s=60) == {}
+    assert pool.start_install(SimpleNamespace(version=1, bad=False, canary=None), timeout_s=60) == {}
     pending = pool.generate([[1], [2], [3]], settings=None)
     assert time.monotonic() - sent < 0.9  # neither waited for the 1 s install
     assert {r.weight_version for r in pending.result(timeout_s=60)} == {1}
-    assert pool.start_install(SimpleNamespace(version=2, bad=True), timeout_s=60)["version"] == 1  # v1's figures
+    assert (
+        pool.start_install(SimpleNamespace(version=2, bad=True, canary=None), timeout_s=60)["version"] == 1
+    )  # v1's figures
     behind_the_bad_one = pool.generate([[1], [2]], settings=None)
     with pytest.raises(ActorError, match="bundle v2 fails its checksum"):
         behind_the_bad_one.result(timeout_s=60)
@@ -163,7 +165,7 @@ def test_an_engine_lost_during_an_install_not_waited_for_is_brought_back_and_ser
     from rl_tpu.sampler.restarts import EngineRecovery
 
     def bundle(version: int) -> SimpleNamespace:
-        return SimpleNamespace(version=version, bad=False)
+        return SimpleNamespace(version=version, bad=False, canary=None)
 
     folders = [tmp_path / str(i) for i in range(2)]
     engines = []

@@ -54,3 +54,10 @@ def test_each_recipe_folder_names_its_preset():
     for folder in folders:
         preset = f"configs/recipe/{folder.name}.yaml"
         assert (REPO / preset).is_file() and preset in (folder / "README.md").read_text(), folder.name
+
+
+def test_test_files_have_unique_basenames():
+    """pytest imports a test file by its basename (rootdir-relative packages are not used here): two tiers' files of
+    one name make the second a collection error ("import file mismatch"), as tests/e2e/test_doctor.py did once."""
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
