@@ -6,7 +6,9 @@ the game with reward 1, less 0.1 for every earlier guess.
 guess_number_server.py serves the same game from an OpenEnv server (guess_number_remote.yaml).
 
 The secret comes from the row's `extra_info.tools_kwargs.guess.create_kwargs` (`target`, or `seed` to draw it),
-between `low` and `high` (default 1 and 100).
+between `low` and `high` (default 1 and 100). `feedback=False` (the YAML's `environment_kwargs`,
+guess_number_no_feedback.yaml) answers every wrong guess "wrong", with no direction: the control of
+recipes/guess_number, where reading the answers cannot help.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class GuessAction(Action):
 
 
 class GuessObservation(Observation):
-    hint: str = ""  # higher | lower | correct
+    hint: str = ""  # higher | lower | correct (without feedback: wrong | correct)
     guesses: int = 0  # guesses so far in this game
 
 
@@ -32,9 +34,9 @@ class GuessNumberEnvironment(Environment[GuessAction, GuessObservation, State]):
 
     SUPPORTS_CONCURRENT_SESSIONS = True  # each session is an instance of its own (guess_number_server.py)
 
-    def __init__(self):
+    def __init__(self, feedback: bool = True):
         super().__init__()
-        self._state, self._target = State(), 0
+        self._state, self._target, self._feedback = State(), 0, feedback
 
     def reset(self, seed=None, episode_id=None, target=None, low=1, high=100, **kwargs) -> GuessObservation:
         if target is None:
@@ -49,7 +51,7 @@ class GuessNumberEnvironment(Environment[GuessAction, GuessObservation, State]):
         if action.guess == self._target:
             reward = max(0.0, 1.0 - 0.1 * (self._state.step_count - 1))
             return GuessObservation(hint="correct", guesses=self._state.step_count, done=True, reward=reward)
-        hint = "higher" if self._target > action.guess else "lower"
+        hint = "wrong" if not self._feedback else "higher" if self._target > action.guess else "lower"
         return GuessObservation(hint=hint, guesses=self._state.step_count)
 
     @property

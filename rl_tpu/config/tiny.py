@@ -29,3 +29,8 @@ class TinyModelConfig:
     # (recipes/tool_math); 0: no tool use, nor tool text in the tokenizer
     warm_start_tool_rate: float = 0.0
     warm_start_malformed_rate: float = 0.0  # the fraction of those calls written malformed (no parser reads them)
+    # guess_number: the warm start plays guess-the-number games with secrets 1..this instead of arithmetic
+    # (recipes/guess_number): well-formed guesses drawn at random in range whatever the answers, half the games
+    # answered higher/lower and half "wrong" (the control's answers), so it teaches the format only; 0: arithmetic
+    warm_start_guess_max: int = 0
+    warm_start_guess_turns: int = 3  # guesses per warm-start game at most (the recipe's turn limit)

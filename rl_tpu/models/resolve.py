@@ -13,6 +13,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from filelock import FileLock, Timeout
@@ -26,6 +27,7 @@ from rl_tpu.data.arithmetic import (
     split_arithmetic_problems,
     tool_trace,
 )
+from rl_tpu.data.guess_number import game_corpus, guess_prompt, random_game
 from rl_tpu.models.shipped import install_shipped
 from rl_tpu.records import TrainBatch
 
@@ -75,7 +77,7 @@ def preset_key_fields(tiny: TinyModelConfig) -> dict:
     (fields added later join the key only when set, so the folders built before them stay valid)."""
     fields = dataclasses.asdict(tiny)
     defaults = TinyModelConfig()
-    for key in ("warm_start_tool_rate", "warm_start_malformed_rate"):
+    for key in ("warm_start_tool_rate", "warm_start_malformed_rate", "warm_start_guess_max", "warm_start_guess_turns"):
         if fields[key] == getattr(defaults, key):
             del fields[key]
     return fields
@@ -119,7 +121,13 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
     """Tokenizer + model from config + supervised warm start, written atomically to `folder`."""
     from rl_tpu.models.tiny import build_model, build_tokenizer, save_hf_folder
 
-    tokenizer = build_tokenizer(tiny.vocab_size, tiny.split_digits, tool_traces=tiny.warm_start_tool_rate > 0)
+    game = tiny.warm_start_guess_max > 0
+    tokenizer = build_tokenizer(
+        tiny.vocab_size,
+        tiny.split_digits,
+        tool_traces=tiny.warm_start_tool_rate > 0,
+        extra_lines=game_corpus(tiny.warm_start_guess_max, tiny.warm_start_guess_turns) if game else (),
+    )
     model = build_model(
         len(tokenizer),
         tiny.hidden_size,
@@ -131,8 +139,10 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
         tiny.max_position_embeddings,
         tiny.seed,
     )
-    train, _ = split_arithmetic_problems(data.ops, data.max_operand, data.num_eval, data.seed)
-    if tiny.warm_start_steps > 0:
+    if tiny.warm_start_steps > 0 and game:
+        warm_start_game(model, tokenizer, tiny)
+    elif tiny.warm_start_steps > 0:
+        train, _ = split_arithmetic_problems(data.ops, data.max_operand, data.num_eval, data.seed)
         warm_start(
             model,
             tokenizer,
@@ -156,6 +166,9 @@ def build_tiny_arith(tiny: TinyModelConfig, data: DataConfig, folder: Path) -> N
     os.replace(tmp, folder)
 
 
+Example = tuple[list[int], list[int], list[int]]  # prompt ids, completion ids, completion mask (1: in the loss)
+
+
 def warm_start(
     model: torch.nn.Module,
     tokenizer,
@@ -175,9 +188,46 @@ def warm_start(
     fraction of examples are episodes with the calculator (`tool_trace`; the tool's result is context, out of
     the loss), `malformed_rate` of their calls written so that no parser reads them.
     """
+    rng = random.Random(seed)
+
+    def draw() -> list[Example]:
+        batch = []
+        for a, op, b in rng.sample(problems, batch_size):
+            prompt = tokenizer(arithmetic_prompt(a, op, b))["input_ids"]
+            if tool_rate and rng.random() < tool_rate:  # no draw without tools: the default warm start is unchanged
+                ids, mask = _tool_example(tokenizer, a, op, b, malformed=rng.random() < malformed_rate)
+            else:
+                label = answer_without_carry(a, op, b) if rng.random() < teacher_error else ARITHMETIC_OPS[op](a, b)
+                ids = tokenizer(f" {label}")["input_ids"] + [tokenizer.eos_token_id]
+                mask = [1] * len(ids)
+            batch.append((prompt, ids, mask))
+        return batch
+
+    supervise(model, tokenizer, draw, steps, lr, masked=bool(tool_rate))
+
+
+def warm_start_game(model: torch.nn.Module, tokenizer, tiny: TinyModelConfig) -> None:
+    """Supervised fine-tuning on guess-the-number games of a player who guesses at random (`random_game`): the
+    format of a game, not how to win it. Half the games are answered higher / lower, half "wrong" (the
+    control's environment), so both arms of recipes/guess_number start from this one model."""
+    rng = random.Random(tiny.seed)
+    high, turns = tiny.warm_start_guess_max, tiny.warm_start_guess_turns
+    prompt = tokenizer(guess_prompt(1, high))["input_ids"]
+
+    def draw() -> list[Example]:
+        games = [random_game(rng, 1, high, turns, feedback=rng.random() < 0.5) for _ in range(tiny.warm_start_batch_size)]
+        return [(prompt, *_segment_ids(tokenizer, game)) for game in games]
+
+    supervise(model, tokenizer, draw, tiny.warm_start_steps, tiny.warm_start_lr, masked=True)
+
+
+def supervise(
+    model: torch.nn.Module, tokenizer, draw: Callable[[], list[Example]], steps: int, lr: float, masked: bool
+) -> None:
+    """`steps` AdamW steps on the completions of `draw()`'s batches (their masked tokens out of the loss, with
+    `masked`), under a linear warm-up and a cosine decay to zero."""
     from rl_tpu.models.logprobs import pad_batch, token_logprobs
 
-    rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine decay to zero
@@ -186,20 +236,9 @@ def warm_start(
     model.train()
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        sample = rng.sample(problems, batch_size)
-        prompts = [tokenizer(arithmetic_prompt(a, op, b))["input_ids"] for a, op, b in sample]
-        completions, masks = [], []
-        for a, op, b in sample:
-            if tool_rate and rng.random() < tool_rate:  # no draw without tools: the default warm start is unchanged
-                ids, mask = _tool_example(tokenizer, a, op, b, malformed=rng.random() < malformed_rate)
-            else:
-                label = answer_without_carry(a, op, b) if rng.random() < teacher_error else ARITHMETIC_OPS[op](a, b)
-                ids = tokenizer(f" {label}")["input_ids"] + [tokenizer.eos_token_id]
-                mask = [1] * len(ids)
-            completions.append(ids)
-            masks.append(mask)
+        prompts, completions, masks = map(list, zip(*draw()))
         zeros = [[0.0] * len(c) for c in completions]  # no sampler logprobs or advantages: a supervised step
-        batch = TrainBatch(prompts, completions, zeros, zeros, 1.0, model_masks=masks if tool_rate else None)
+        batch = TrainBatch(prompts, completions, zeros, zeros, 1.0, model_masks=masks if masked else None)
         t = pad_batch(batch, tokenizer.pad_token_id, torch.device("cpu"))
         log_prob, _ = token_logprobs(model, t, 1.0, with_entropy=False)
         loss = -(log_prob * t["response_mask"]).sum() / t["response_mask"].sum()
@@ -210,6 +249,20 @@ def warm_start(
         optimizer.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == steps:
             log.info("warm start %d/%d: loss %.3f (%.0f s)", step, steps, loss.item(), time.perf_counter() - start)
+
+
+def _segment_ids(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """A game's ids after the prompt and its mask, as the engine and the plain renderer make them: each model turn
+    tokenized alone (an empty one: the end of sequence), each environment turn encoded alone, out of the loss."""
+    ids, mask = [], []
+    for text, by_model in segments:
+        if by_model:
+            part = tokenizer(text)["input_ids"] if text else [tokenizer.eos_token_id]
+        else:
+            part = tokenizer.encode(text, add_special_tokens=False)
+        ids += part
+        mask += [int(by_model)] * len(part)
+    return ids, mask
 
 
 def _tool_example(tokenizer, a: int, op: str, b: int, malformed: bool) -> tuple[list[int], list[int]]:

@@ -9,6 +9,7 @@ trainer, vLLM and `transformers` load them like any other checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -29,12 +30,15 @@ def arithmetic_corpus(tool_traces: bool = False) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int, split_digits: bool, tool_traces: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    vocab_size: int, split_digits: bool, tool_traces: bool = False, extra_lines: Sequence[str] = ()
+) -> PreTrainedTokenizerFast:
     """Byte-level BPE with ``<|endoftext|>`` (eos, id 0) and ``<|pad|>`` (pad, id 1).
 
     ``split_digits`` keeps every digit its own token, so the model sees numbers digit by digit
     (the same number is otherwise one, two or three merged tokens depending on context). ``tool_traces`` trains
-    it on calculator episodes too, so a tool call's fixed text is a few tokens.
+    it on calculator episodes too, so a tool call's fixed text is a few tokens; `extra_lines` (another task's
+    text: guess-the-number games) join the corpus.
     """
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -50,7 +54,7 @@ def build_tokenizer(vocab_size: int, split_digits: bool, tool_traces: bool = Fal
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(arithmetic_corpus(tool_traces), trainer=trainer)
+    tokenizer.train_from_iterator([*arithmetic_corpus(tool_traces), *extra_lines], trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD)
 
 
