@@ -20,9 +20,17 @@ from pathlib import Path
 from rl_tpu.outputs.metrics import final_accuracy, read_metrics
 
 SEEDS = (0, 1, 2)
-VARIANTS = {"guess_number": [], "no_feedback": ["episode.tools_config_file=examples/tools/guess_number_no_feedback.yaml"]}
-COMMON = ["+recipe=guess_number", "trainer.export=false", "trainer.checkpoint_every=0", "trainer.checkpoint_final=false"]
-TOTAL_STEPS = 30  # the recipe's trainer.total_steps
+VARIANTS = {
+    "guess_number": [],
+    "no_feedback": ["episode.tools_config_file=examples/tools/guess_number_no_feedback.yaml"],
+}
+COMMON = [
+    "+recipe=guess_number",
+    "trainer.export=false",
+    "trainer.checkpoint_every=0",
+    "trainer.checkpoint_final=false",
+]
+TOTAL_STEPS = 100  # the recipe's trainer.total_steps
 MAX_GUESSES = 3  # the recipe's turn limit: episode.max_turns less the turn after the last guess
 WON = "reward/extra/custom/won_at"  # the guess that won, averaged over the step's won games
 GUESSES = "reward/extra/custom/guesses"  # guesses per game, over every game of the step

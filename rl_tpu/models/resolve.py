@@ -215,7 +215,9 @@ def warm_start_game(model: torch.nn.Module, tokenizer, tiny: TinyModelConfig) ->
     prompt = tokenizer(guess_prompt(1, high))["input_ids"]
 
     def draw() -> list[Example]:
-        games = [random_game(rng, 1, high, turns, feedback=rng.random() < 0.5) for _ in range(tiny.warm_start_batch_size)]
+        games = [
+            random_game(rng, 1, high, turns, feedback=rng.random() < 0.5) for _ in range(tiny.warm_start_batch_size)
+        ]
         return [(prompt, *_segment_ids(tokenizer, game)) for game in games]
 
     supervise(model, tokenizer, draw, tiny.warm_start_steps, tiny.warm_start_lr, masked=True)
