@@ -15,7 +15,10 @@ from rl_tpu.config.episode import EpisodeConfig
 from rl_tpu.data.datasets import verl_rule_row
 
 GUESS_SOURCE = "rl_tpu/guess_number"
-GUESS_TOOL = "guess"  # the tool's name in examples/tools/guess_number.yaml
+# the tool's name in examples/tools/guess_number_game.yaml: not its argument's ("guess"), so that no token of a call
+# is followed by two different ones (with both "guess", a perturbed policy wrote '{"name": "guess": 2}}')
+GUESS_TOOL = "play"
+GAME_FORMAT = 2  # names the games' text in the tiny preset's cache key (1: the tool was "guess")
 TOOL_RESPONSE_FORMAT = EpisodeConfig.tool_response_format  # the plain renderer's text around a result
 
 

@@ -27,7 +27,7 @@ from rl_tpu.data.arithmetic import (
     split_arithmetic_problems,
     tool_trace,
 )
-from rl_tpu.data.guess_number import game_corpus, guess_prompt, random_game
+from rl_tpu.data.guess_number import GAME_FORMAT, game_corpus, guess_prompt, random_game
 from rl_tpu.models.shipped import install_shipped
 from rl_tpu.records import TrainBatch
 
@@ -69,6 +69,8 @@ def preset_folder_name(tiny: TinyModelConfig, data: DataConfig) -> str:
         "data_seed": data.seed,
         "split": SPLIT_VERSION,  # the warm start trains on the training split
     }
+    if tiny.warm_start_guess_max > 0:  # the games' text, which the warm start imitates
+        settings["game_format"] = GAME_FORMAT
     return "tiny_arith-" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -45,14 +45,16 @@ def tool_of(yaml_name: str) -> OpenEnvTool:
 
 
 def play(tool: OpenEnvTool, secret: int, guesses: list[int]) -> list[str]:
-    """The environment's turns after each guess, as the plain renderer appends them."""
+    """The environment's turns after each guess, as the plain renderer appends them, up to the one that wins."""
 
     async def game() -> list[str]:
         instance, _ = await tool.create(create_kwargs={"target": secret, "low": 1, "high": 7})
         texts = []
         for guess in guesses:
-            response, _, _ = await tool.execute(instance, {"guess": guess})
+            response, _, metrics = await tool.execute(instance, {"guess": guess})
             texts.append(response.text)
+            if metrics["done"]:
+                break
         await tool.release(instance)
         return texts
 
@@ -60,7 +62,7 @@ def play(tool: OpenEnvTool, secret: int, guesses: list[int]) -> list[str]:
 
 
 def test_the_control_switch_answers_wrong_with_no_direction():
-    with_feedback, without = tool_of("guess_number.yaml"), tool_of("guess_number_no_feedback.yaml")
+    with_feedback, without = tool_of("guess_number_game.yaml"), tool_of("guess_number_no_feedback.yaml")
     assert [json.loads(t.split("\n")[2])["hint"] for t in play(with_feedback, 5, [2, 7, 5])] == [
         "higher",
         "lower",
@@ -73,7 +75,7 @@ def test_the_control_switch_answers_wrong_with_no_direction():
 def test_the_warm_starts_games_are_what_the_environment_answers(feedback):
     """Each warm-start game: guesses in range, stopping at the correct one or the third; every answer exactly the
     text the environment (through its YAML and OpenEnvTool) gives the same guesses; then the end of sequence."""
-    tool = tool_of("guess_number.yaml" if feedback else "guess_number_no_feedback.yaml")
+    tool = tool_of("guess_number_game.yaml" if feedback else "guess_number_no_feedback.yaml")
     rng = random.Random(0)
     for _ in range(40):
         game = random_game(rng, 1, 7, 3, feedback)
