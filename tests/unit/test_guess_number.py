@@ -18,7 +18,7 @@ from conftest import REPO
 from rl_tpu.config import DataConfig, TinyModelConfig
 from rl_tpu.data.guess_number import GUESS_TOOL, guess_result, guess_rows, random_game
 from rl_tpu.episodes.openenv_tool import OpenEnvTool
-from rl_tpu.models.resolve import _segment_ids, preset_folder_name
+from rl_tpu.models.resolve import _segment_ids, preset_folder_name, preset_key_fields
 from rl_tpu.models.tiny import build_tokenizer
 
 TOOLS = REPO / "examples/tools"
@@ -100,10 +100,11 @@ def test_a_warm_start_game_as_ids_masks_the_answers_and_ends_on_the_end_of_seque
     assert mask == [1] * len(call) + [0] * len(answer) + [1]
 
 
-def test_the_game_keys_name_their_own_preset_and_leave_the_others_keys_alone():
+def test_the_game_keys_join_the_presets_key_only_when_set():
+    """Unset, the cache folders built before them (and the shipped presets' names) stay valid."""
+    assert not {"warm_start_guess_max", "warm_start_guess_turns"} & set(preset_key_fields(TinyModelConfig()))
     data = DataConfig()
     arithmetic = preset_folder_name(TinyModelConfig(), data)
-    assert preset_folder_name(TinyModelConfig(warm_start_guess_max=0, warm_start_guess_turns=3), data) == arithmetic
     game = preset_folder_name(TinyModelConfig(warm_start_guess_max=7), data)
     longer = preset_folder_name(TinyModelConfig(warm_start_guess_max=7, warm_start_guess_turns=4), data)
     assert len({arithmetic, game, longer}) == 3
