@@ -65,14 +65,14 @@ def turns_to_win(won: float, won_at: float | None) -> float:
 
 def figures(run_dir: Path) -> dict[str, float]:
     """Greedy play over the 7 secrets at the first evaluation and the final one (win rate: the mean of the last
-    three evaluations, as every recipe reports it; the rest: the last); the same at T=1 over the training games of
-    the first and the last five steps."""
+    three evaluations, as every recipe reports it; the rest: the last); the same at the sampling temperature over the
+    training games of the first and the last five steps."""
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in records if "eval/accuracy" in r]
     first, last = evals[0], evals[-1]
     steps = [r for r in records if "reward/mean" in r]
 
-    def sampled(key: str, rows: list[dict]) -> float:  # at T=1, over the games of 5 steps (won_at: won games only)
+    def sampled(key: str, rows: list[dict]) -> float:  # sampled, over the games of 5 steps (won_at: won games only)
         return statistics.fmean(r[key] for r in rows if key in r)
 
     def greedy_turns(record: dict) -> float:
@@ -96,7 +96,7 @@ def figures(run_dir: Path) -> dict[str, float]:
 
 
 def plot(out: Path) -> None:
-    """Win rate and guesses per game at T=1 against the step, each seed a thin line, both arms."""
+    """Win rate and guesses per game of the training games against the step, each seed a thin line, both arms."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(12.8, 4.2), layout="constrained")
@@ -110,8 +110,8 @@ def plot(out: Path) -> None:
             label = variant if seed == SEEDS[0] else None
             win.plot([r["step"] for r in steps], [r["reward/mean"] for r in steps], color=color, label=label, lw=1)
             turns.plot([r["step"] for r in steps], [r.get(GUESSES) for r in steps], color=color, label=label, lw=1)
-    win.set(xlabel="step", ylabel="games won within 3 guesses (T=1)", ylim=(0, 1))
-    turns.set(xlabel="step", ylabel="guesses per game (T=1)", ylim=(1, MAX_GUESSES))
+    win.set(xlabel="step", ylabel="games won within 3 guesses (sampled)", ylim=(0, 1))
+    turns.set(xlabel="step", ylabel="guesses per game (sampled)", ylim=(1, MAX_GUESSES))
     for axes in (win, turns):
         axes.grid(alpha=0.3)
         axes.legend()
