@@ -15,7 +15,7 @@ from conftest import REPO, free_port
 from rl_tpu.episodes.tools import ToolBox, ToolSettings
 
 SESSIONS, SLOW = 256, 4
-REPLY_S = 3.0  # the tool's reply deadline (its config timeout_s): the slow steps take a second more
+REPLY_S = 4.0  # the tool's reply deadline (its config timeout_s): the slow steps take a second more
 
 
 @pytest.fixture(scope="module")
