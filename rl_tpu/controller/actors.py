@@ -283,6 +283,8 @@ def episode_options(cfg: RunConfig, max_model_len: int) -> EpisodeOptions | None
         e.tool_response_format,
         tuple(e.stop),
         cfg.algorithm.outcomes,
+        e.scheduling,
+        e.max_calls_in_flight,
     )
 
 

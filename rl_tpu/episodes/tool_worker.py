@@ -42,10 +42,10 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Iterator
+from typing import Any, Awaitable
 
 from rl_tpu.cluster.call_deadlines import CallTimeout, Deadlines
-from rl_tpu.cluster.worker_pool import serve
+from rl_tpu.cluster.worker_pool import serve_concurrently
 from rl_tpu.episodes.refusals import BadArguments
 
 
@@ -400,20 +400,14 @@ def load(setup: ToolSetup) -> tuple[ToolWorker, ToolsReady]:
     return ToolWorker(tools, setup), ToolsReady(schemas(tools), per_episode)
 
 
-def answer(worker: ToolWorker, positions: list[int], items: list, loop) -> Iterator[list]:
-    """The job's items run at once, each answered as it ends (an item never answered is left to the pool)."""
+async def answer(worker: ToolWorker, item: ToolCall | ToolRelease, loop) -> tuple | None:
+    """One item's outcome (`serve_concurrently`: the items of every job run at once, each answered as it ends)."""
     worker.start(loop)
-    tasks = {loop.create_task(answer_item(worker, item)): position for position, item in zip(positions, items)}
-    pending = set(tasks)
-    while pending:
-        done, pending = loop.run_until_complete(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
-        message = [(tasks[task], task.result()) for task in done if task.result() is not None]
-        if message:
-            yield message
+    return await answer_item(worker, item)
 
 
 if __name__ == "__main__":
     # run as the imported module, not as __main__: the classes it sends and receives must be the parent's
     from rl_tpu.episodes import tool_worker
 
-    serve(tool_worker.load, tool_worker.answer)
+    serve_concurrently(tool_worker.load, tool_worker.answer)
