@@ -56,6 +56,7 @@ class PoolRun:
         self.done = 0
         self.given_up = False
         self.answered: list[int] = []  # positions answered since the caller last took them (`take_answered`)
+        pool.running = True  # until `close`: a `WorkerPool.close` meanwhile kills the workers and leaves them to it
 
     @property
     def finished(self) -> bool:
@@ -146,6 +147,14 @@ class PoolRun:
         for own in self.own:
             own.clear()
         self._set([p for p, o in enumerate(self.outcomes) if o is None], self.failed("cancelled", why))
+
+    def close(self) -> None:
+        """Ends the run: what is still out is cancelled; the workers of a pool closed meanwhile are reaped."""
+        if not self.finished and not self.pool.closed:
+            self.cancel("not run: the run ended")
+        self.pool.running = False
+        if self.pool.closed:  # closed meanwhile: its workers were killed; reap them here
+            self.pool._stop_all()
 
     def ending(self) -> list:
         """The outcomes, those a closed pool never answered cancelled."""

@@ -313,17 +313,14 @@ class WorkerPool:
         worker): items that need what an earlier item left in a worker's memory go where it went, in order. A worker
         replaced after a failure keeps its place, not its memory. `concurrent`: a worker runs its share's items at
         once, answering each as it ends; one that dies or goes silent fails all it has not answered."""
-        self.running = True
+        job = PoolRun(self, batched, failed, shares_per_worker, give_up, route, concurrent)
         try:
-            job = PoolRun(self, batched, failed, shares_per_worker, give_up, route, concurrent)
             job.add(items)
             while not job.finished and not self.closed and not job.given_up:
                 job.step(math.inf)
             return job.ending()
         finally:
-            self.running = False
-            if self.closed:  # closed meanwhile: its workers were killed; reap them here
-                self._stop_all()
+            job.close()
 
     def stream(self, failed: Callable[[str, str], Any], route: Callable[[Any], int | None] | None = None) -> PoolRun:
         """A run that takes items while it runs (`PoolRun.add`) and is advanced by its caller (`PoolRun.step`), for

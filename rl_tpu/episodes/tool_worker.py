@@ -16,13 +16,14 @@ environment: a game, a shell, a database): its episode's first call creates it, 
 ``calc_reward`` once and releases it. A call for an instance this worker does not hold, though an earlier call of
 the episode succeeded, fails as ``lost`` (the worker was replaced after a crash or timeout: its state is gone).
 
-Calls run at once: a job's items are tasks on the worker's event loop (at most `calls_per_worker`), each
-answered as it ends and each with its own deadline (`rl_tpu.cluster.call_deadlines`: a call that awaits too long
-is cancelled, one that blocks the loop is interrupted, one stuck in a thread is left to the pool, which replaces
-the worker). A per-episode instance's calls and release run one after another, in the order sent; one whose call
-timed out is dropped (its state is unknown: later calls fail as ``lost``). Code that blocks (``time.sleep``, a
-synchronous client) runs one call at a time whatever the bound: only awaiting lets the others run. A result's
-text is cut to `max_response_chars` here, before it crosses the pipe.
+Calls run at once: the items of every job it was sent are tasks on the worker's event loop (it reads a new job
+while earlier ones run: `serve_concurrently`; at most `calls_per_worker` run), each answered as it ends and each
+with its own deadline (`rl_tpu.cluster.call_deadlines`: a call that awaits too long is cancelled, one that blocks
+the loop is interrupted, one stuck in a thread is left to the pool, which replaces the worker). A per-episode
+instance's calls and release run one after another, in the order sent; one whose call timed out is dropped (its
+state is unknown: later calls fail as ``lost``). Code that blocks (``time.sleep``, a synchronous client) runs one
+call at a time whatever the bound: only awaiting lets the others run. A result's text is cut to
+`max_response_chars` here, before it crosses the pipe.
 
 Ray is off in a tool worker: it is a plain process outside the run's Ray cluster, where a tool's Ray actor would
 start a private cluster per worker (see `refuse_ray`).

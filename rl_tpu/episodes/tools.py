@@ -286,12 +286,10 @@ class ToolStream:
             if not group.left:
                 ended.append(group)
         if not self.box.tally.stopped and self.box.tally.first_all_failed([], [], self.box.first_calls):
-            self.close()
+            self.job.cancel("not run: the batch was given up")
             self.box.check_first_calls()
         now, items, outcomes = time.perf_counter(), self.job.items, self.job.outcomes
         return [(g.number, [_result(items[p], outcomes[p]) for p in g.positions], now - g.start) for g in ended]
 
     def close(self) -> None:
-        if not self.job.finished:
-            self.job.cancel("not run: the batch ended")
-            self.job.take_answered()
+        self.job.close()
