@@ -5,14 +5,15 @@ batches whatever turns are ready and a slow call holds only its own episode.
 One loop drives both sides: it queues the ready episodes' turns on the engine (vLLM's request-level API: each
 engine step batches every turn under way), steps the engine, hands each finished turn's calls to the tool workers
 (`ToolStream`: the workers run calls of all episodes at once, up to `max_calls_in_flight` in all), and between
-engine steps takes the results that came back. What a turn does to an episode is the same code as in lockstep
-(`EpisodeRunner`): ids, masks, logprobs, seeds per turn (`turn_seed`: fixed by the episode, not by when its turn
-ran), truncation, instance routing, releases, failure counting; the batch's rollouts come back in prompt and sample
-order whatever order the episodes ended in.
+engine steps takes the results that came back (before a step of few turns, for up to one step's time: `_gather`).
+What a turn does to an episode is the same code as in lockstep (`EpisodeRunner`): ids, masks, logprobs, seeds per
+turn (`turn_seed`: fixed by the episode, not by when its turn ran), truncation, instance routing, releases, failure
+counting; the batch's rollouts come back in prompt and sample order whatever order the episodes ended in.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,7 @@ class _Play:
         self.calling: deque[Episode] = deque()  # its turn called tools: waiting for room under the bound
         self.at_tools: dict[int, Episode | None] = {}  # stream group -> its episode (None: releases)
         self.releasing: dict[int, list] = {}  # stream group -> the owners of its releases
+        self.step_s = 0.0  # the engine's last step
 
     def run(self, episodes: list[Episode]) -> None:
         for episode in episodes:
@@ -54,7 +56,11 @@ class _Play:
         while self.at_engine or self.calling or self.at_tools:
             self._send_calls()
             if self.engine.busy():
-                for request, turn in self.engine.step():
+                self._gather()
+                start = time.perf_counter()
+                finished = self.engine.step()
+                self.step_s = time.perf_counter() - start
+                for request, turn in finished:
                     episode = self.at_engine.pop(request)
                     if self.runner.take_turn(episode, turn):
                         self.calling.append(episode)
@@ -62,6 +68,14 @@ class _Play:
                         self._release(episode)
             if self.at_tools:
                 self._take_results(0.0 if self.engine.busy() else WAIT_S)
+
+    def _gather(self) -> None:
+        """Before a step of fewer turns than there are episodes at the tools, waits up to one step's time for
+        results to come back and join it: an engine step costs about as much with few turns as with many (on CPU
+        above all), so a step of a few turns while the rest are about to return wastes most of it."""
+        deadline = time.perf_counter() + self.step_s
+        while self.at_tools and len(self.at_engine) < len(self.at_tools) and time.perf_counter() < deadline:
+            self._take_results(deadline - time.perf_counter())
 
     def _to_engine(self, episode: Episode) -> None:
         request = self.runner.request(episode)
