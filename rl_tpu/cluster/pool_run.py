@@ -11,10 +11,7 @@ import math
 import time
 from collections import deque
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from rl_tpu.cluster.worker_pool import WorkerPool
+from typing import Any, Callable
 
 
 def _shares(places: int, items: list, batched: bool, shares_per_worker: int, route, offset: int = 0):
@@ -38,7 +35,7 @@ class PoolRun:
 
     def __init__(
         self,
-        pool: WorkerPool,
+        pool: Any,  # the `WorkerPool` (which imports this module)
         batched: bool,
         failed: Callable[[str, str], Any],
         shares_per_worker: int,

@@ -28,11 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rl_tpu.config import OutcomesConfig
-from rl_tpu.episodes.asynchronous import AsyncScheduler
 from rl_tpu.episodes.episode import (
     Episode,
     EpisodeLimits,
@@ -42,9 +40,9 @@ from rl_tpu.episodes.episode import (
     generate_all,
     turn_seed,
 )
-from rl_tpu.episodes.render import Renderer, make_renderer
+from rl_tpu.episodes.render import Renderer
 from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease
-from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolResult, ToolSettings, failure_outcome
+from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolResult, failure_outcome
 from rl_tpu.records import Outcome, Rollout
 
 log = logging.getLogger(__name__)
@@ -297,33 +295,3 @@ class LockstepScheduler:
         for episode, mine in zip(calling, calls):
             runner.take_results(episode, results[start : start + len(mine)], seconds)
             start += len(mine)
-
-
-@dataclass(frozen=True)
-class EpisodeOptions:
-    """What an engine needs to run episodes (from the `episode` config section)."""
-
-    limits: EpisodeLimits
-    tools: ToolSettings
-    tool_parser: str
-    renderer: str  # auto | chat | plain
-    tool_response_format: str  # plain renderer
-    stop: tuple[str, ...]  # strings that end a model turn (kept in its ids)
-    outcomes: OutcomesConfig | None = None  # which episodes are played again (`algorithm.outcomes`)
-    scheduling: str = "async"  # async | lockstep (`episode.scheduling`)
-    max_calls_in_flight: int = 64  # async: tool calls of all episodes running at once
-
-
-def build_runner(options: EpisodeOptions, tokenizer: Any, model_type: str | None) -> EpisodeRunner:
-    """The parser, the tool workers and the renderer of one engine."""
-    parser = ToolCallParser(options.tool_parser, tokenizer)
-    tools = ToolBox(options.tools)
-    try:
-        renderer = make_renderer(
-            options.renderer, tokenizer, options.tool_response_format, model_type, list(tools.schemas.values())
-        )
-    except Exception:
-        tools.close()
-        raise
-    scheduler = AsyncScheduler(options.max_calls_in_flight) if options.scheduling == "async" else LockstepScheduler()
-    return EpisodeRunner(options.limits, parser, tools, renderer, options.outcomes, scheduler)

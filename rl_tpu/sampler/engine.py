@@ -21,7 +21,7 @@ from rl_tpu.cluster.core_loan import EngineActivity
 from rl_tpu.cluster.cores import CpuBinding
 from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.cluster.placement import require_model_on_node, where_am_i
-from rl_tpu.episodes.loop import EpisodeOptions, build_runner
+from rl_tpu.episodes.build import EpisodeOptions, build_runner
 from rl_tpu.models.precision import keep_vllm_residual_fp32
 from rl_tpu.records import CanaryTokens, Rollout, WeightBundle, WeightSyncError
 from rl_tpu.sampler.adapters import AdapterServing
