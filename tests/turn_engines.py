@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from rl_tpu.episodes.episode import TurnOutput, TurnRequest
@@ -35,30 +36,34 @@ class BatchEngine:
 
 class RunStream:
     """A `ToolStream` stand-in over a fake ToolBox's `run(calls, ends)`: a group's results are made when it is
-    submitted and come back after `delay(calls)` polls, whatever the poll's timeout (ordering, not timing)."""
+    submitted and come back `delay(calls)` seconds later (a poll waits up to its timeout for the next of them)."""
 
-    def __init__(self, run: Callable, delay: Callable[[list], int] = lambda calls: 1):
+    def __init__(self, run: Callable, delay: Callable[[list], float] = lambda calls: 0.0):
         self.run, self.delay = run, delay
-        self.waiting: dict[int, list] = {}  # group -> [polls left, results]
+        self.waiting: dict[int, tuple[float, float, list]] = {}  # group -> (submitted, due, results)
         self.groups = 0
         self.closed = False
 
     @property
     def calls_in_flight(self) -> int:
-        return sum(len(results) for _, results in self.waiting.values())
+        return sum(len(results) for _, _, results in self.waiting.values())
 
     def submit(self, calls: list, ends: list = ()) -> int:
         self.groups += 1
         results, _ = self.run(list(calls), list(ends))
-        self.waiting[self.groups] = [self.delay(list(calls)), results]
+        now = time.perf_counter()
+        self.waiting[self.groups] = (now, now + self.delay(list(calls)), results)
         return self.groups
 
     def poll(self, timeout: float) -> list:
-        ended = []
-        for group, entry in list(self.waiting.items()):
-            entry[0] -= 1
-            if entry[0] <= 0:
-                ended.append((group, self.waiting.pop(group)[1], 0.0))
+        if self.waiting:
+            next_due = min(due for _, due, _ in self.waiting.values())
+            time.sleep(max(0.0, min(timeout, next_due - time.perf_counter())))
+        now, ended = time.perf_counter(), []
+        for group, (submitted, due, results) in list(self.waiting.items()):
+            if due <= now:
+                del self.waiting[group]
+                ended.append((group, results, now - submitted))
         return ended
 
     def close(self) -> None:

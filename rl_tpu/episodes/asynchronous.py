@@ -45,36 +45,51 @@ class _Play:
     def __init__(self, runner: EpisodeRunner, stream: ToolStream, engine: TurnEngine, max_calls_in_flight: int):
         self.runner, self.stream, self.engine, self.bound = runner, stream, engine, max_calls_in_flight
         self.at_engine: dict[str, Episode] = {}  # request id -> episode
+        self.ready: list[Episode] = []  # its calls returned while the engine ran: it joins the next round
         self.calling: deque[Episode] = deque()  # its turn called tools: waiting for room under the bound
         self.at_tools: dict[int, Episode | None] = {}  # stream group -> its episode (None: releases)
         self.releasing: dict[int, list] = {}  # stream group -> the owners of its releases
-        self.step_s = 0.0  # the engine's last step
+        self.call_s: list[float] = []  # how long this batch's tool turns took
+        self.round_s = 0.0  # the engine's last round: from its turns' start until the last of them ended
+        self.round_start = 0.0
 
     def run(self, episodes: list[Episode]) -> None:
-        for episode in episodes:
-            self._to_engine(episode)
-        while self.at_engine or self.calling or self.at_tools:
+        self.ready = list(episodes)
+        while self.at_engine or self.ready or self.calling or self.at_tools:
             self._send_calls()
             if self.engine.busy():
-                self._gather()
-                start = time.perf_counter()
-                finished = self.engine.step()
-                self.step_s = time.perf_counter() - start
-                for request, turn in finished:
+                for request, turn in self.engine.step():
                     episode = self.at_engine.pop(request)
                     if self.runner.take_turn(episode, turn):
                         self.calling.append(episode)
                     else:
                         self._release(episode)
-            if self.at_tools:
-                self._take_results(0.0 if self.engine.busy() else WAIT_S)
+                self._take_results(0.0)
+                if not self.engine.busy():
+                    self.round_s = time.perf_counter() - self.round_start
+                continue
+            self._gather()
+            self.round_start = time.perf_counter()
+            for episode in self.ready:  # the next round: every episode whose calls returned
+                self._to_engine(episode)
+            self.ready = []
+
+    def _playing_at_tools(self) -> int:
+        return sum(episode is not None for episode in self.at_tools.values())
 
     def _gather(self) -> None:
-        """Before a step of fewer turns than there are episodes at the tools, waits up to one step's time for
-        results to come back and join it: an engine step costs about as much with few turns as with many (on CPU
-        above all), so a step of a few turns while the rest are about to return wastes most of it."""
-        deadline = time.perf_counter() + self.step_s
-        while self.at_tools and len(self.at_engine) < len(self.at_tools) and time.perf_counter() < deadline:
+        """Between rounds, waits for the episodes at the tools: until all are back, or, after the first is back,
+        for the longer of a typical tool turn of this batch (the median so far) and the engine's last round. An
+        engine step costs about as much for a few turns as for many (on CPU above all), so turns are best started
+        together, and a turn that missed a round costs its episode a round; a straggler (a call slower than that)
+        joins a later round instead of holding every episode, as lockstep does."""
+        if not self.ready and self.at_tools:  # nothing to run: the first answer (or release) that comes back
+            self._take_results(WAIT_S)
+        if self.calling:
+            return  # calls wait for room under the bound: the round starts without them
+        typical = sorted(self.call_s)[len(self.call_s) // 2] if self.call_s else WAIT_S
+        deadline = time.perf_counter() + max(typical, self.round_s)
+        while self._playing_at_tools() and time.perf_counter() < deadline:
             self._take_results(deadline - time.perf_counter())
 
     def _to_engine(self, episode: Episode) -> None:
@@ -106,8 +121,9 @@ class _Play:
             if episode is None:
                 self.runner.released(self.releasing.pop(group), results)
                 continue
+            self.call_s.append(seconds)
             self.runner.take_results(episode, results, seconds)
             if episode.done:
                 self._release(episode)
             else:
-                self._to_engine(episode)
+                self.ready.append(episode)

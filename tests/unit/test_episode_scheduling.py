@@ -77,7 +77,7 @@ def test_async_episodes_equal_locksteps_for_a_deterministic_engine(tokenizer, to
 
 
 class SlowTools(ScriptedTools):
-    """Every call answers "ok"; a call of the tool `slow` comes back after 20 polls, the others after 1."""
+    """Every call answers "ok"; a call of the tool `slow` comes back after 0.5 s, the others after 10 ms."""
 
     def __init__(self):
         super().__init__([], release=ToolResult("", 0.0))
@@ -87,7 +87,7 @@ class SlowTools(ScriptedTools):
         return [ToolResult("ok", 0.0) for _ in calls] + [self.release for _ in ends], 0.0
 
     def stream(self) -> RunStream:
-        return RunStream(self.run, delay=lambda calls: 20 if any(c.name == "slow" for c in calls) else 1)
+        return RunStream(self.run, delay=lambda calls: 0.5 if any(c.name == "slow" for c in calls) else 0.01)
 
 
 @pytest.mark.parametrize("name", SCHEDULERS)
