@@ -1,4 +1,4 @@
-"""Episodes that advance on their own (`episode.scheduling=async`, the default): an episode goes back to the engine
+"""Episodes that advance on their own (`episode.scheduling=async`): an episode goes back to the engine
 as soon as its own tool calls returned, and its calls go to the tools as soon as its turn ended, so the engine
 batches whatever turns are ready and a slow call holds only its own episode.
 

@@ -25,7 +25,7 @@ class EpisodeOptions:
     tool_response_format: str  # plain renderer
     stop: tuple[str, ...]  # strings that end a model turn (kept in its ids)
     outcomes: OutcomesConfig | None = None  # which episodes are played again (`algorithm.outcomes`)
-    scheduling: str = "async"  # async | lockstep (`episode.scheduling`)
+    scheduling: str = "lockstep"  # lockstep | async (`episode.scheduling`)
     max_calls_in_flight: int = 64  # async: tool calls of all episodes running at once
 
 

@@ -4,8 +4,8 @@ episodes) calls the tool, reads its result and answers; after every weight sync 
 fp32 logprobs of the model's tokens agree below 1e-5 per token; a sync-mode run with this deterministic tool
 resumes exactly; an OpenEnv environment as the tool, one per episode, under a LoRA policy.
 
-Both episode schedulers run, without a run of their own: the runs advance episodes on their own
-(`episode.scheduling=async`, the default), and the resumed run plays its steps in lockstep, so it resumes exactly
+Both episode schedulers run, without a run of their own: the first run advances episodes on their own
+(`episode.scheduling=async`), and the resumed run plays its steps in lockstep (the default), so it resumes exactly
 only if both schedulers make the same episodes, and its logprob gap is lockstep's."""
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def episode_run(tmp_path_factory):
         "trainer.total_steps=4",
         "trainer.checkpoint_every=2",
         "trainer.rollout_data_every=1",
+        "episode.scheduling=async",
     )
     return root
 
