@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import compose_run
+from turn_engines import BatchEngine, RunStream
 
 from rl_tpu.cluster import worker_pool
 from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
@@ -248,13 +249,16 @@ class ScriptedTools:
         self.sent += [*calls, *ends]
         return [self.results.pop(0) for _ in calls] + [self.release for _ in ends], 0.0
 
+    def stream(self) -> RunStream:  # episodes that advance on their own
+        return RunStream(self.run)
+
 
 def scripted_engine(turns: list[str]):
     def generate(requests) -> list[TurnOutput]:
         turn = turns.pop(0)
         return [TurnOutput([ord(c) for c in turn], [-0.5] * len(turn), "stop", 1) for _ in requests]
 
-    return generate
+    return BatchEngine(generate)
 
 
 def episode(tools: ScriptedTools, turns: list[str], max_tokens: int = 200) -> Rollout:
