@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from record import write_record  # beside this script
+from tool_calls import tools_yaml  # beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -61,20 +62,6 @@ class Compute(BaseTool):  # blocks its worker: CPU-bound work
 WORKLOADS = {"heavy_tailed": "remote", "uniform": "compute"}
 CALL_P = 0.75  # a turn calls the tool
 MEDIAN_S, SIGMA, CPU_S = 0.2, 1.2, 0.05
-
-
-def tools_yaml(folder: Path) -> str:
-    (folder / "bench_tools.py").write_text(TOOLS)
-    entries = [
-        {
-            "class_name": f"bench_tools.{name}",
-            "config": {"type": "native"},
-            "tool_schema": {"type": "function", "function": {"name": name.lower(), "description": name}},
-        }
-        for name in ("Remote", "Compute")
-    ]
-    (folder / "tools.yaml").write_text(json.dumps({"tools": entries}))
-    return str(folder / "tools.yaml")
 
 
 def uniforms(ids: list[int]) -> tuple[float, float]:
@@ -195,7 +182,9 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         prompts = [tokenizer(f"Q: What is {a} * {a + 7}? A:")["input_ids"] for a in range(3, 3 + args.prompts)]
         new_engine = engine_for(model, 512)
-        box = ToolBox(ToolSettings(tools_yaml(Path(folder)), None, 2, 60.0, 2048, 64))
+        box = ToolBox(
+            ToolSettings(tools_yaml(Path(folder), TOOLS, "bench_tools", ("Remote", "Compute")), None, 2, 60.0, 2048, 64)
+        )
         renderer = PlainRenderer(tokenizer, "\n<tool_response>\n{result}\n</tool_response>\n")
         try:
             warm = EpisodeRunner(limits, DrawnCalls("compute"), box, renderer, scheduler=LockstepScheduler())
