@@ -14,7 +14,7 @@ and the tool wait share (seconds an episode waited for its tools, mean over epis
 async alternately (A B A B ...) in one invocation, with the same seeds in each pair; the figure is the median of
 the pairs' ratios.
 
-    python benchmarks/episodes.py          # about 5 minutes; writes results/episodes.json
+    python benchmarks/episodes.py          # about 2 minutes; writes results/episodes.json
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="episodes per prompt")
     parser.add_argument("--pairs", type=int, default=4, help="lockstep/async pairs per workload (A B A B)")
     parser.add_argument("--turn-tokens", type=int, default=8, help="tokens a model turn may sample")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "episodes.json")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -191,16 +192,18 @@ def main() -> None:
             one_batch(
                 warm, new_engine(), prompts, args.samples, seed=7
             )  # untimed: the engine's and workers' first calls
-            for workload, tool in WORKLOADS.items():
+            for workload in args.workloads:
                 for pair in range(args.pairs):
                     for name, scheduler in (("lockstep", LockstepScheduler()), ("async", AsyncScheduler(64))):
-                        runner = EpisodeRunner(limits, DrawnCalls(tool), box, renderer, scheduler=scheduler)
+                        runner = EpisodeRunner(
+                            limits, DrawnCalls(WORKLOADS[workload]), box, renderer, scheduler=scheduler
+                        )
                         row = one_batch(runner, new_engine(), prompts, args.samples, seed=1000 * pair)
                         rows.append({"workload": workload, "scheduling": name, "pair": pair, **row})
                         print(json.dumps({k: v for k, v in rows[-1].items() if k != "logprobs"}), flush=True)
         finally:
             box.close()
-    summary = {workload: compare(rows, workload) for workload in WORKLOADS}
+    summary = {workload: compare(rows, workload) for workload in args.workloads}
     for row in rows:
         del row["logprobs"]
     print(json.dumps(summary, indent=1))

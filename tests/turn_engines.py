@@ -36,10 +36,12 @@ class BatchEngine:
 
 class RunStream:
     """A `ToolStream` stand-in over a fake ToolBox's `run(calls, ends)`: a group's results are made when it is
-    submitted and come back `delay(calls)` seconds later (a poll waits up to its timeout for the next of them)."""
+    submitted and come back `delay(calls)` seconds later (a poll waits up to its timeout for the next of them). The
+    tool workers use `cores` of CPU all along (0: their calls wait)."""
 
-    def __init__(self, run: Callable, delay: Callable[[list], float] = lambda calls: 0.0):
-        self.run, self.delay = run, delay
+    def __init__(self, run: Callable, delay: Callable[[list], float] = lambda calls: 0.0, cores: float = 0.0):
+        self.run, self.delay, self.cores = run, delay, cores
+        self.opened = time.perf_counter()
         self.waiting: dict[int, tuple[float, float, list]] = {}  # group -> (submitted, due, results)
         self.groups = 0
         self.closed = False
@@ -65,6 +67,9 @@ class RunStream:
                 del self.waiting[group]
                 ended.append((group, results, now - submitted))
         return ended
+
+    def cpu_seconds(self) -> float:
+        return self.cores * (time.perf_counter() - self.opened)
 
     def close(self) -> None:
         self.closed = True

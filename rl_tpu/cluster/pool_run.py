@@ -96,10 +96,15 @@ class PoolRun:
                 self._fail_all(own, self.failed("unavailable", down.message(pool.what)))
                 continue
             worker = pool.workers[place]
-            while (own or self.queue) and (self.stream or not worker.in_flight):
+            if self.stream:  # its own at once; the shared queue below, spread over the workers
+                while own:
+                    pool._send(worker, own, self.items, self.batched)
+            elif (own or self.queue) and not worker.in_flight:
                 pool._send(worker, own or self.queue, self.items, self.batched)
-                if not self.stream:
-                    break
+        while self.stream and self.queue and pool.live:
+            # to the least loaded worker: a worker that took the whole queue would run CPU-bound calls one by one
+            # while the others idle
+            pool._send(min(pool.live, key=lambda w: len(w.in_flight)), self.queue, self.items, self.batched)
 
     def step(self, timeout: float) -> None:
         """Sends what is queued, then waits up to `timeout` seconds (less when a worker's deadline comes first) for

@@ -287,6 +287,20 @@ class WorkerPool:
     def live(self) -> list[_Worker]:
         return [w for w in self.workers if isinstance(w, _Worker)]
 
+    def cpu_seconds(self) -> float:
+        """The CPU time the live workers have used so far (user and system): a caller that samples it twice sees
+        whether they compute or wait."""
+        import psutil
+
+        total = 0.0
+        for worker in self.live:
+            try:
+                times = psutil.Process(worker.process.pid).cpu_times()
+            except psutil.Error:  # it just exited: its time is gone with it
+                continue
+            total += times.user + times.system
+        return total
+
     def down_at(self, place: int) -> _Down | None:
         worker = self.workers[place]
         return worker if isinstance(worker, _Down) else None

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rl_tpu.episodes.loop import EpisodeRunner
     from rl_tpu.episodes.tools import ToolStream
 
+COMPUTING_CORES = 0.5  # the tool workers' CPU use (in cores) above which their calls count as computing
 WAIT_S = 1.0  # the longest wait for tool results while the engine has nothing to run (a wait ends at an answer)
 
 
@@ -52,6 +53,7 @@ class _Play:
         self.call_s: list[float] = []  # how long this batch's tool turns took
         self.round_s = 0.0  # the engine's last round: from its turns' start until the last of them ended
         self.round_start = 0.0
+        self.answered_at = 0.0  # when an episode's tool calls last came back
 
     def run(self, episodes: list[Episode]) -> None:
         self.ready = list(episodes)
@@ -88,9 +90,23 @@ class _Play:
         if self.calling:
             return  # calls wait for room under the bound: the round starts without them
         typical = sorted(self.call_s)[len(self.call_s) // 2] if self.call_s else WAIT_S
-        deadline = time.perf_counter() + max(typical, self.round_s)
-        while self._playing_at_tools() and time.perf_counter() < deadline:
-            self._take_results(deadline - time.perf_counter())
+        start, cpu_start = time.perf_counter(), self.stream.cpu_seconds()
+        deadline = start + max(typical, self.round_s)
+        while self._playing_at_tools():
+            until = deadline
+            if self.answered_at + self.round_s > deadline and self._tools_compute(start, cpu_start):
+                until = self.answered_at + self.round_s
+            if time.perf_counter() >= until:
+                return
+            self._take_results(until - time.perf_counter())
+
+    def _tools_compute(self, start: float, cpu_start: float) -> bool:
+        """Whether the tool workers spent at least half a core on their calls since `start`: then their calls are
+        work, not waits, and a round started before the answers stop coming competes with them for the CPU (on a
+        host where the engine computes too) and feeds them calls they cannot start yet; so answers that keep coming
+        within a round's time of each other are waited for past the deadline, as lockstep would."""
+        elapsed = time.perf_counter() - start
+        return elapsed > 0 and (self.stream.cpu_seconds() - cpu_start) / elapsed >= COMPUTING_CORES
 
     def _to_engine(self, episode: Episode) -> None:
         request = self.runner.request(episode)
@@ -122,6 +138,7 @@ class _Play:
                 self.runner.released(self.releasing.pop(group), results)
                 continue
             self.call_s.append(seconds)
+            self.answered_at = time.perf_counter()
             self.runner.take_results(episode, results, seconds)
             if episode.done:
                 self._release(episode)

@@ -291,5 +291,9 @@ class ToolStream:
         now, items, outcomes = time.perf_counter(), self.job.items, self.job.outcomes
         return [(g.number, [_result(items[p], outcomes[p]) for p in g.positions], now - g.start) for g in ended]
 
+    def cpu_seconds(self) -> float:
+        """The tool workers' CPU time so far (`WorkerPool.cpu_seconds`)."""
+        return self.box.pool.cpu_seconds()
+
     def close(self) -> None:
         self.job.close()

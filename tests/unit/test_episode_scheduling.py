@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 
 import pytest
@@ -107,6 +108,38 @@ def test_a_slow_tool_call_holds_only_its_own_episode(name):
     order = [(r.ids[0], r.turn) for r in engine.asked]
     expected = [(0, 0), (1, 0), (1, 1), (1, 2), (1, 3), (0, 1)]
     assert (order == expected) == (name == "async"), order
+
+
+class TimedTools(SlowTools):
+    """A call of the tool named `sN` comes back after N hundredths of a second; the workers use `cores` of CPU."""
+
+    def __init__(self, cores: float):
+        super().__init__()
+        self.cores = cores
+
+    def stream(self) -> RunStream:
+        return RunStream(self.run, delay=lambda calls: int(calls[0].name[1:]) / 100, cores=self.cores)
+
+
+@pytest.mark.parametrize("cores", [0.0, 1.0])
+def test_answers_that_keep_coming_are_waited_for_only_while_the_tools_compute(cores):
+    """Three episodes' second calls come back 0.01, 0.3 and 0.6 s after they were sent, each within a round (0.4 s
+    of engine) of the one before, the last one after the deadline (a round after the first answer). While the tool
+    workers compute, the last one is waited for: one round, as lockstep (a round then would compete with them for
+    the CPU); while they wait, it is left to a round of its own."""
+    script = {k: ["call:s1", f"call:s{delay}", "done"] for k, delay in enumerate([1, 30, 60])}
+
+    def answer(requests):
+        time.sleep(0.4)
+        texts = [script[r.ids[0]][r.turn] for r in requests]
+        return [TurnOutput([ord(c) for c in text], [-0.5] * len(text), "stop", 1) for text in texts]
+
+    engine = BatchEngine(answer)
+    limits = EpisodeLimits(max_turns=6, max_tokens=400, turn_tokens=50, max_model_len=1024)
+    episodes = EpisodeRunner(limits, Characters(), TimedTools(cores), Characters(), scheduler=AsyncScheduler(64))
+    episodes.run([[0], [1], [2]], 1, [0, 1, 2], [{}] * 3, engine)
+    rounds = [sorted(r.ids[0] for r in step) for step in engine.requests]
+    assert rounds == ([[0, 1, 2]] * 3 if cores else [[0, 1, 2], [0, 1, 2], [0, 1], [2]]), rounds
 
 
 @pytest.mark.parametrize("name", SCHEDULERS)

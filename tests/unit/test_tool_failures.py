@@ -111,6 +111,23 @@ def test_a_place_is_given_up_after_its_bounded_number_of_failed_starts(fake_pool
     assert pool.run(["y", "z"], batched=False, failed=failed) == [("ok", "y"), ("ok", "z")]  # the other place works
 
 
+def test_a_stream_spreads_calls_without_an_instance_over_the_workers(fake_pool):
+    """Calls added one by one, as episodes end their turns, go to the least loaded worker: before, the first worker
+    took the whole queue, and CPU-bound calls ran one after another while the other worker idled."""
+    pool, _ = fake_pool
+    job = pool.stream(failed)
+    try:
+        for item in "abcd":
+            job.add([item])
+            job._dispatch()
+        assert [len(w.in_flight) for w in pool.live] == [2, 2]
+        while not job.finished:
+            job.step(5.0)
+        assert job.outcomes == [("ok", item) for item in "abcd"]
+    finally:
+        job.close()
+
+
 def tools_yaml(folder: Path, classes: dict[str, str]) -> Path:
     """A tools YAML of `classes` (tool name -> class path), with TOOLS beside it as `flaky_tools.py`."""
     (folder / "flaky_tools.py").write_text(TOOLS)
