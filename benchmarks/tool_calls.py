@@ -43,15 +43,19 @@ class Blocks(BaseTool):
 """
 
 
-def tools_yaml(folder: Path) -> str:
-    (folder / "latency_tools.py").write_text(TOOLS)
+def tools_yaml(
+    folder: Path, source: str = TOOLS, module: str = "latency_tools", classes: tuple[str, ...] = ("Awaits", "Blocks")
+) -> str:
+    """A tools YAML naming each class of the Python `source`, written to `folder` as `module`.py: the benchmarks'
+    verl tools, each a function named after its class in lower case."""
+    (folder / f"{module}.py").write_text(source)
     entries = [
         {
-            "class_name": f"latency_tools.{name}",
+            "class_name": f"{module}.{name}",
             "config": {"type": "native"},
             "tool_schema": {"type": "function", "function": {"name": name.lower(), "description": name}},
         }
-        for name in ("Awaits", "Blocks")
+        for name in classes
     ]
     (folder / "tools.yaml").write_text(json.dumps({"tools": entries}))
     return str(folder / "tools.yaml")

@@ -29,8 +29,10 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterable
+from multiprocessing.connection import Connection
+from typing import Any, Awaitable, Callable, Iterable
+
+from rl_tpu.cluster.pool_run import PoolRun
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,24 @@ def cap_output(limit: int) -> None:
     sys.stdout, sys.stderr = CappedOutput(sys.stdout, budget), CappedOutput(sys.stderr, budget)
 
 
+def _start_serving(load: Callable[[Any], tuple[Any, Any]]):
+    """A worker's start: it dies with its parent, caps its output, loads its code and bounds the address space it may
+    add; returns its pipes, state and limits, or None when loading failed (the traceback went back)."""
+    inbox = Connection(int(sys.argv[1]), writable=False)
+    outbox = Connection(int(sys.argv[2]), readable=False)
+    die_with_parent()
+    setup, limits = inbox.recv()
+    cap_output(limits.output_bytes)
+    try:
+        state, detail = load(setup)
+    except Exception:
+        outbox.send(("load_error", traceback.format_exc()))
+        return None
+    limit_memory(limits.memory_mb)
+    outbox.send(("ready", detail))
+    return inbox, outbox, state, limits
+
+
 def serve(
     load: Callable[[Any], tuple[Any, Any]],
     answer: Callable[[Any, list[int], list, asyncio.AbstractEventLoop], Iterable[list]],
@@ -122,18 +142,10 @@ def serve(
     of each job (SIGXCPU ends the worker, which the pool sees as a crash). `load(setup)` returns the worker's state and its ready detail (or raises:
     the traceback goes back as the load error); `answer(state, positions, items, loop)` yields the messages of one
     job, each a list of ``(position, outcome)``."""
-    inbox = Connection(int(sys.argv[1]), writable=False)
-    outbox = Connection(int(sys.argv[2]), readable=False)
-    die_with_parent()
-    setup, limits = inbox.recv()
-    cap_output(limits.output_bytes)
-    try:
-        state, detail = load(setup)
-    except Exception:
-        outbox.send(("load_error", traceback.format_exc()))
+    started = _start_serving(load)
+    if started is None:
         return
-    limit_memory(limits.memory_mb)
-    outbox.send(("ready", detail))
+    inbox, outbox, state, limits = started
     loop = asyncio.new_event_loop()  # for async user code (verl's tools, async reward functions)
     while True:
         try:
@@ -143,6 +155,40 @@ def serve(
         limit_cpu(limits.cpu_s_per_item, len(items))
         for message in answer(state, positions, items, loop):
             outbox.send(message)
+
+
+def serve_concurrently(
+    load: Callable[[Any], tuple[Any, Any]],
+    answer_item: Callable[[Any, Any, asyncio.AbstractEventLoop], Awaitable[Any]],
+) -> None:
+    """`serve` for a worker whose items are tasks on its event loop: it reads each job as it arrives, while the
+    items of earlier ones run (a pool's `stream` sends a busy worker more), and answers each item as it ends.
+    `answer_item(state, item, loop)` is an item's outcome, or None for one it leaves unanswered (the pool's deadline
+    then replaces the worker). The CPU-seconds bound counts the items not yet answered."""
+    started = _start_serving(load)
+    if started is None:
+        return
+    inbox, outbox, state, limits = started
+    running: set[asyncio.Task] = set()
+
+    async def one(position: int, item: Any) -> None:
+        outcome = await answer_item(state, item, asyncio.get_running_loop())
+        if outcome is not None:
+            outbox.send([(position, outcome)])
+
+    async def main() -> None:
+        while True:
+            try:
+                positions, items = await next_job(inbox)
+            except EOFError:  # the pool closed its end: shut down
+                return
+            limit_cpu(limits.cpu_s_per_item, len(running) + len(items))
+            for position, item in zip(positions, items):
+                task = asyncio.ensure_future(one(position, item))
+                running.add(task)
+                task.add_done_callback(running.discard)
+
+    asyncio.new_event_loop().run_until_complete(main())
 
 
 async def next_job(inbox: Connection) -> Any:
@@ -209,32 +255,6 @@ def _stop(worker: _Worker, kill: bool = False) -> None:
     worker.inbox.close()
 
 
-def _fail_all(source: deque, outcomes: list, outcome: Any) -> int:
-    """Every item still in `source` gets `outcome`; returns how many."""
-    count = 0
-    while source:
-        for position in source.popleft():
-            outcomes[position] = outcome
-            count += 1
-    return count
-
-
-def _shares(places: int, items: list, batched: bool, shares_per_worker: int, route) -> tuple[deque, list[deque]]:
-    """The items' positions in shares: a queue any worker takes from, and one of its own per place."""
-    shares = places * (1 if batched else shares_per_worker)
-    size = max(1, math.ceil(len(items) / shares))
-    anyone: list[int] = []
-    pinned: list[list[int]] = [[] for _ in range(places)]
-    for position, item in enumerate(items):
-        worker = route(item) if route else None
-        (anyone if worker is None else pinned[worker % places]).append(position)
-
-    def cut(positions: list[int]) -> deque:
-        return deque(positions[start : start + size] for start in range(0, len(positions), size))
-
-    return cut(anyone), [cut(positions) for positions in pinned]
-
-
 class WorkerPool:
     """`count` workers of `module`; `run` spreads items over them with a deadline of `timeout_s` per item."""
 
@@ -267,6 +287,24 @@ class WorkerPool:
     def live(self) -> list[_Worker]:
         return [w for w in self.workers if isinstance(w, _Worker)]
 
+    def cpu_seconds(self) -> float:
+        """The CPU time the live workers have used so far (user and system): a caller that samples it twice sees
+        whether they compute or wait."""
+        import psutil
+
+        total = 0.0
+        for worker in self.live:
+            try:
+                times = psutil.Process(worker.process.pid).cpu_times()
+            except psutil.Error:  # it just exited: its time is gone with it
+                continue
+            total += times.user + times.system
+        return total
+
+    def down_at(self, place: int) -> _Down | None:
+        worker = self.workers[place]
+        return worker if isinstance(worker, _Down) else None
+
     def run(
         self,
         items: list,
@@ -289,70 +327,28 @@ class WorkerPool:
         worker): items that need what an earlier item left in a worker's memory go where it went, in order. A worker
         replaced after a failure keeps its place, not its memory. `concurrent`: a worker runs its share's items at
         once, answering each as it ends; one that dies or goes silent fails all it has not answered."""
-        self.running = True
+        job = PoolRun(self, batched, failed, shares_per_worker, give_up, route, concurrent)
         try:
-            return self._run(items, batched, failed, shares_per_worker, give_up, route, concurrent)
+            job.add(items)
+            while not job.finished and not self.closed and not job.given_up:
+                job.step(math.inf)
+            return job.ending()
         finally:
-            self.running = False
-            if self.closed:  # closed meanwhile: its workers were killed; reap them here
-                self._stop_all()
+            job.close()
 
-    def _run(self, items: list, batched: bool, failed: Callable, shares: int, give_up, route, concurrent: bool) -> list:
-        outcomes: list = [None] * len(items)
-        queue, own_queues = _shares(len(self.workers), items, batched, shares, route)
-        done = 0
-        while done < len(items) and not self.closed:
-            for place, own in enumerate(own_queues):
-                if isinstance(self.workers[place], _Down) and (own or queue) and self.workers[place].due():
-                    self._replace(place)
-                worker = self.workers[place]
-                if isinstance(worker, _Down):  # its pinned items cannot wait for it
-                    done += _fail_all(own, outcomes, failed("unavailable", worker.message(self.what)))
-                elif not worker.in_flight and (own or queue):
-                    self._send(worker, own or queue, items, batched)
-            busy = [w for w in self.live if w.in_flight]
-            if not busy:  # the rest is in the shared queue and every place is down
-                down = next(w for w in self.workers if isinstance(w, _Down))
-                done += _fail_all(queue, outcomes, failed("unavailable", down.message(self.what)))
-                continue
-            remaining = min(w.deadline for w in busy) - time.monotonic()
-            for inbox in wait([w.inbox for w in busy], timeout=max(0.0, remaining)):
-                worker = next(w for w in busy if w.inbox is inbox)
-                try:
-                    message = inbox.recv()
-                except (EOFError, OSError):
-                    if self.closed:  # killed by close(): nothing to replace
-                        break
-                    code = worker.process.wait()
-                    done += self._lose(
-                        worker, outcomes, batched or concurrent, failed("crash", f"the worker died (exit code {code})")
-                    )
-                    continue
-                for position, outcome in message:
-                    outcomes[position] = outcome
-                    worker.in_flight.remove(position)
-                    done += 1
-                worker.deadline = time.monotonic() + self.timeout_s
-            for worker in [w for w in busy if w.in_flight and time.monotonic() > w.deadline and not self.closed]:
-                if worker.inbox.poll():  # it answered while another worker's replacement started: read that first
-                    continue
-                timeout = failed("timeout", f"no answer within {self.timeout_s:g} s")
-                done += self._lose(worker, outcomes, batched or concurrent, timeout)
-            if give_up is not None and done < len(items) and give_up(outcomes):
-                self._cancel(outcomes, failed("cancelled", "not run: the batch was given up"))
-                break
-        if self.closed:
-            outcomes = [failed("cancelled", "not run: the pool was closed") if o is None else o for o in outcomes]
-        return outcomes
+    def stream(self, failed: Callable[[str, str], Any], route: Callable[[Any], int | None] | None = None) -> PoolRun:
+        """A run that takes items while it runs (`PoolRun.add`) and is advanced by its caller (`PoolRun.step`), for
+        concurrent workers that read new jobs while they run others (`serve_concurrently`): an item is sent as soon
+        as it is added, whatever its worker is running, so one slow item holds no other. One at a time, and never
+        beside `run`."""
+        return PoolRun(self, False, failed, 1, None, route, concurrent=True, stream=True)
 
-    def _cancel(self, outcomes: list, outcome: Any) -> None:
+    def _cancel(self) -> None:
+        """The busy workers stopped and replaced: what they ran is given up."""
         for worker in [w for w in self.live if w.in_flight]:
             worker.in_flight = deque()
             _stop(worker, kill=True)
             self._replace(self.workers.index(worker))
-        for position, current in enumerate(outcomes):
-            if current is None:
-                outcomes[position] = outcome
 
     def close(self) -> None:
         """Stop every worker. A `run` under way in another thread is not waited for: its workers are killed, and it
@@ -408,21 +404,23 @@ class WorkerPool:
         return _Worker(process, inbox, outbox, detail)
 
     def _send(self, worker: _Worker, source: deque, items: list, batched: bool) -> None:
+        """Sends the next share of `source` (a busy concurrent worker adds it to what it runs: its deadline, renewed
+        at each answer, stands)."""
         positions = source.popleft()
-        worker.in_flight, worker.source = deque(positions), source
-        worker.deadline = time.monotonic() + self.timeout_s * (len(positions) if batched else 1)
+        if not worker.in_flight:
+            worker.deadline = time.monotonic() + self.timeout_s * (len(positions) if batched else 1)
+        worker.in_flight.extend(positions)
+        worker.source = source
         worker.outbox.send((positions, [items[p] for p in positions]))
 
-    def _lose(self, worker: _Worker, outcomes: list, all_unanswered: bool, outcome: Any) -> int:
-        """A worker timed out or died: fail the item(s) it was on (all it had not answered, or the first of them for
-        a worker that answers in order), requeue the rest, replace it. Returns the number of items failed."""
+    def _lose(self, worker: _Worker, all_unanswered: bool) -> list[int]:
+        """A worker timed out or died: the item(s) it was on, which fail (all it had not answered, or the first of
+        them for a worker that answers in order); the rest are requeued and the worker replaced."""
         culprits = list(worker.in_flight) if all_unanswered else [worker.in_flight[0]]
-        for position in culprits:
-            outcomes[position] = outcome
         rest = [p for p in worker.in_flight if p not in culprits]
         if rest:
             worker.source.appendleft(rest)
         worker.in_flight = deque()
         _stop(worker, kill=True)
         self._replace(self.workers.index(worker))
-        return len(culprits)
+        return culprits

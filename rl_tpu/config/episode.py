@@ -9,6 +9,7 @@ from typing import Optional
 RENDERERS = ("auto", "chat", "plain")
 EPISODE_REWARDS = ("plugin", "tools", "sum")
 TRUNCATE_SIDES = ("left", "right", "middle")
+SCHEDULINGS = ("async", "lockstep")
 
 
 @dataclass
@@ -36,6 +37,14 @@ class EpisodeConfig:
     # calls a tool worker runs at once: they overlap while they await (a server, a sandbox, a search); code that
     # blocks (time.sleep, a synchronous client) runs one call at a time in each worker whatever this says
     tool_calls_per_worker: int = 32
+    # lockstep: every live episode goes to the engine together at each turn and waits for the batch's slowest tool
+    # call; async: an episode goes back to the engine as soon as its own calls returned, in the engine's next round
+    # (pays where tool latency varies: 0.59 of lockstep's step with a heavy-tailed remote tool on CPU, but 1.8x
+    # with a CPU-bound tool on two cores; benchmarks/results/episodes.json). The same episodes either way
+    scheduling: str = "lockstep"
+    # async: tool calls of all episodes running at once, on all of an engine's tool workers together (an episode's
+    # calls wait for room; one episode's calls always go); bounds what a remote environment sees at once
+    max_calls_in_flight: int = 64
     tool_memory_mb: Optional[int] = 4096  # what each tool worker may allocate beyond its loaded code; null: no limit
     # an episode's reward: the reward plugin's (`reward.*`), the tools' (execute's step rewards plus calc_reward,
     # summed over the episode's calls), or their sum
@@ -46,6 +55,7 @@ class EpisodeConfig:
             ("renderer", self.renderer, RENDERERS),
             ("reward", self.reward, EPISODE_REWARDS),
             ("tool_response_truncate_side", self.tool_response_truncate_side, TRUNCATE_SIDES),
+            ("scheduling", self.scheduling, SCHEDULINGS),
         ):
             if value not in allowed:
                 raise ValueError(f"episode.{key}={value!r}: allowed values are {', '.join(allowed)}")
@@ -55,6 +65,7 @@ class EpisodeConfig:
             "max_tool_response_chars",
             "tool_workers",
             "tool_calls_per_worker",
+            "max_calls_in_flight",
         ):
             if getattr(self, key) < 1:
                 raise ValueError(f"episode.{key}={getattr(self, key)} must be >= 1")

@@ -24,7 +24,8 @@ from rl_tpu.cluster import placement, rendezvous
 from rl_tpu.cluster.actor_logs import actor_name
 from rl_tpu.cluster.calls import ActorError, gather
 from rl_tpu.config import RunConfig, TrainerConfig
-from rl_tpu.episodes.loop import EpisodeLimits, EpisodeOptions
+from rl_tpu.episodes.build import EpisodeOptions
+from rl_tpu.episodes.episode import EpisodeLimits
 from rl_tpu.episodes.tools import ToolSettings
 from rl_tpu.records import CanaryTokens, TrainBatch, WeightBundle
 from rl_tpu.sampler.adapters import AdapterServing
@@ -283,6 +284,8 @@ def episode_options(cfg: RunConfig, max_model_len: int) -> EpisodeOptions | None
         e.tool_response_format,
         tuple(e.stop),
         cfg.algorithm.outcomes,
+        e.scheduling,
+        e.max_calls_in_flight,
     )
 
 

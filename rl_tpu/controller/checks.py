@@ -87,6 +87,8 @@ RESUME_MAY_CHANGE = (
     "trainer.rollout_data_every",
     "trainer.memory_check",
     "reward.num_workers",
+    # when episodes meet the engine and the tools, not what they are (the same episodes for a deterministic engine)
+    *(f"episode.{key}" for key in ("scheduling", "max_calls_in_flight")),
 )
 
 

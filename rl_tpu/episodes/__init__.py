@@ -5,8 +5,9 @@
         |   environment ids (mask 0), rendered by the chat template     v
         +---------------------------------------------- tool workers (verl BaseTool / @function_tool)
 
-The turn loop (`loop`) is engine-agnostic: the sampler hands it a function that runs one turn for every live
-episode at once. Tools run in worker processes with deadlines and limits (`tools`, `tool_worker`), as reward
+The turn loop (`loop`: what a turn does to an episode, `episode`: its record) is engine-agnostic: the sampler hands
+it a `TurnEngine` (turns queued one by one, each engine step returning those it finished), driven by a scheduler:
+lockstep (`loop`) or episodes that advance on their own (`asynchronous`); `build` puts an engine's parts together. Tools run in worker processes with deadlines and limits (`tools`, `tool_worker`), as reward
 plugins do; a tool that hangs, raises or returns garbage fails that call, counted, never the run. The
 environment's tokens are appended as ids (`render`), never by decoding and re-encoding the model's turn.
 

@@ -1,5 +1,7 @@
-"""The turn loop: every live episode of a batch goes to the engine together at each turn, their tool calls run
-together, and each episode's environment tokens are appended to the ids the engine produced.
+"""The turn loop: what each model turn and each tool turn does to an episode (`EpisodeRunner`), and the lockstep
+scheduler (`episode.scheduling=lockstep`: every live episode of a batch goes to the engine together at each turn,
+and their tool calls run together); episodes that advance on their own are `rl_tpu.episodes.asynchronous`'s. Each
+episode's environment tokens are appended to the ids the engine produced.
 
 An episode ends when its model turn calls no tool, after `max_turns` model turns (a turn that still calls tools
 then is cut: truncated "max_turns"), or when its tokens after the prompt reach `max_tokens` (truncated
@@ -9,7 +11,8 @@ loop records where each model turn starts and where the final one's answer ends,
 (`EpisodeStats.turn_starts`, `answer_end`): the text an outcome reward reads.
 
 A tool with an instance per episode (`lifetime: episode`, a stateful environment) is created by the episode's
-first call of it and released when the episode ends, with the next turn's calls (the rest when the batch ends).
+first call of it and released when the episode ends (in lockstep with the next turn's calls; the rest when the
+batch ends).
 An episode whose instance was lost with its worker after a call of it succeeded (its state and reward are gone)
 is marked (`EpisodeStats.lost_instance`).
 
@@ -25,46 +28,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from rl_tpu.config import OutcomesConfig
-from rl_tpu.data.datasets import derived_seed
-from rl_tpu.episodes.render import Renderer, make_renderer
+from rl_tpu.episodes.episode import (
+    Episode,
+    EpisodeLimits,
+    TurnEngine,
+    TurnOutput,
+    TurnRequest,
+    generate_all,
+    turn_seed,
+)
+from rl_tpu.episodes.render import Renderer
 from rl_tpu.episodes.tool_worker import ToolCall, ToolRelease
-from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolResult, ToolSettings, failure_outcome
-from rl_tpu.records import EpisodeStats, Outcome, Rollout
+from rl_tpu.episodes.tools import MODEL_ERRORS, ToolBox, ToolResult, failure_outcome
+from rl_tpu.records import Outcome, Rollout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EpisodeLimits:
-    max_turns: int  # model turns
-    max_tokens: int  # model and environment tokens after the prompt
-    turn_tokens: int  # new tokens per model turn (sampler.response_length)
-    max_model_len: int  # the engine's context
-    max_parallel_calls: int = 1  # calls of one turn that run; the rest are dropped and counted malformed
-
-
-@dataclass(frozen=True)
-class TurnRequest:
-    ids: list[int]  # the whole context: prompt, then every turn so far
-    max_tokens: int
-    seed: int | None
-
-
-@dataclass(frozen=True)
-class TurnOutput:
-    ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" or "length"
-    version: int  # the weights that sampled it
-
-
-def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:
-    """One episode's draws at one turn: fixed by its prompt's seed, so a resumed run draws them again."""
-    return None if seed is None else derived_seed(seed, sample, turn)
 
 
 class ToolCallParser:
@@ -123,85 +104,10 @@ def call_start_marker(name: str, parser: Any) -> str:
     return marker
 
 
-@dataclass
-class Episode:
-    prompt_ids: list[int]
-    seed: int | None
-    sample: int  # its index among its prompt's samples
-    group: int
-    tools_kwargs: dict
-    ids: list[int] = field(default_factory=list)  # after the prompt
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    stats: EpisodeStats = field(default_factory=lambda: EpisodeStats(turns=0))
-    finish_reason: str = "stop"
-    done: bool = False
-    pending_calls: list[tuple[str, str]] = field(default_factory=list)  # this turn's calls, (name, JSON arguments)
-    key: str = ""  # unique in the engine's life: names its instances of per-episode tools
-    open_tools: set[str] = field(default_factory=set)  # per-episode tools it called, not yet released
-    succeeded_tools: set[str] = field(default_factory=set)  # per-episode tools it called successfully
-    outcome: Outcome | None = None  # the worst its tools did (None: nothing failed that was not the model's doing)
-
-    def context(self) -> list[int]:
-        return self.prompt_ids + self.ids
-
-    def add_model_turn(self, turn: TurnOutput, answer_length: int) -> None:
-        """`answer_length`: the turn's ids before its first tool call (`ToolCallParser.answer_length`)."""
-        self.stats.turn_starts.append(len(self.ids))
-        self.stats.answer_end = len(self.ids) + answer_length
-        self.ids += turn.ids
-        self.logprobs += turn.logprobs
-        self.mask += [1] * len(turn.ids)
-        self.versions.append(turn.version)
-        self.stats.turns += 1
-        self.finish_reason = turn.finish_reason
-
-    def add_environment(self, ids: list[int], replaced: int = 0) -> None:
-        """Appends the environment's ids after dropping the last `replaced` (model) ids the chat template renders
-        otherwise (verl's GLM boundary: a stop token that is not the tool turn's first)."""
-        if replaced:
-            del self.ids[-replaced:], self.logprobs[-replaced:], self.mask[-replaced:]
-        self.ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.mask += [0] * len(ids)
-        self.stats.env_tokens += len(ids)
-
-    def end(self, truncated: str | None = None) -> None:
-        self.done = True
-        if truncated:
-            self.stats.truncated, self.finish_reason = truncated, "length"
-
-    def rollout(self) -> Rollout:
-        return Rollout(
-            self.prompt_ids,
-            self.ids,
-            self.logprobs,
-            min(self.versions),
-            self.finish_reason,
-            self.group,
-            self.mask,
-            self.stats,
-            self.outcome,
-        )
-
-    def again(self) -> Episode:
-        """This episode to be played again from its prompt, in fresh tool instances (a key of its own)."""
-        retries = self.stats.retries + 1
-        stats = EpisodeStats(turns=0, retries=retries)
-        return Episode(
-            self.prompt_ids,
-            self.seed,
-            self.sample,
-            self.group,
-            self.tools_kwargs,
-            stats=stats,
-            key=f"{self.key}/retry{retries}",
-        )
-
-
 class EpisodeRunner:
-    """Runs a batch of episodes on one engine, given how to run one turn of several episodes."""
+    """Runs a batch of episodes on one engine. What a turn does to an episode is here, shared by both schedulers;
+    when episodes go to the engine and to the tools is the scheduler's (`LockstepScheduler`, or
+    `rl_tpu.episodes.asynchronous.AsyncScheduler`)."""
 
     def __init__(
         self,
@@ -210,10 +116,12 @@ class EpisodeRunner:
         tools: ToolBox,
         renderer: Renderer,
         outcomes: OutcomesConfig | None = None,
+        scheduler: Scheduler | None = None,
     ):
-        """`outcomes`: which episodes are played again, and how often (None: none)."""
+        """`outcomes`: which episodes are played again, and how often (None: none); `scheduler`: lockstep if None."""
         self.limits, self.parser, self.tools, self.renderer = limits, parser, tools, renderer
         self.outcomes = outcomes or OutcomesConfig()
+        self.scheduler = scheduler or LockstepScheduler()
 
     def run(
         self,
@@ -221,9 +129,10 @@ class EpisodeRunner:
         samples: int,
         seeds: list[int | None],
         tools_kwargs: list[dict],
-        generate: Callable[[list[TurnRequest]], list[TurnOutput]],
+        engine: TurnEngine,
     ) -> list[Rollout]:
-        """`samples` episodes per prompt, in prompt order (each prompt's `group` its index)."""
+        """`samples` episodes per prompt, in prompt order (each prompt's `group` its index), whatever the order
+        they ended in."""
         batch = uuid.uuid4().hex
         episodes = [
             Episode(list(prompt), seed, sample, group, kwargs, key=f"{batch}/{group}/{sample}")
@@ -234,20 +143,13 @@ class EpisodeRunner:
         playing = episodes
         try:
             while playing:
-                self._play(playing, generate)
+                self.scheduler.play(self, playing, engine)
                 playing = self._again(episodes)
         finally:  # what is still open if the batch failed
-            self._tool_turn([], ending=[e for e in episodes if e.open_tools])
+            self.release_now([e for e in episodes if e.open_tools])
         self.tools.end_batch()  # past episode.max_tool_failure_rate the run stops, naming the tool
         self._log_dropped_results(episodes)
         return [e.rollout() for e in episodes]
-
-    def _play(self, episodes: list[Episode], generate) -> None:
-        """Turns until every episode ended, then the release of what they still hold (where a lost one shows)."""
-        while live := [e for e in episodes if not e.done]:
-            calling = self._model_turn(live, generate)
-            self._tool_turn(calling, ending=[e for e in live if e.done and e.open_tools])
-        self._tool_turn([], ending=[e for e in episodes if e.open_tools])  # those that ended on a tool turn
 
     def _again(self, episodes: list[Episode]) -> list[Episode]:
         """The episodes to play again (their outcome set to retry, retries left), replacing theirs in `episodes`."""
@@ -271,36 +173,65 @@ class EpisodeRunner:
                 self.limits.max_tokens,
             )
 
-    def _model_turn(self, live: list[Episode], generate) -> list[Episode]:
-        """One turn of every live episode; returns those whose turn called tools that will run."""
-        limits, asking, requests = self.limits, [], []
-        for episode in live:
-            budget = min(
-                limits.turn_tokens,
-                limits.max_tokens - len(episode.ids),
-                limits.max_model_len - len(episode.prompt_ids) - len(episode.ids),
-            )
-            if budget <= 0:
-                episode.end("max_tokens")
+    def request(self, episode: Episode) -> TurnRequest | None:
+        """The episode's next model turn, with what is left of its budget; None (and the episode ended, truncated
+        max_tokens) where nothing is left."""
+        limits = self.limits
+        budget = min(
+            limits.turn_tokens,
+            limits.max_tokens - len(episode.ids),
+            limits.max_model_len - len(episode.prompt_ids) - len(episode.ids),
+        )
+        if budget <= 0:
+            episode.end("max_tokens")
+            return None
+        turns = episode.stats.turns
+        return TurnRequest(episode.context(), budget, turn_seed(episode.seed, episode.sample, turns), turns)
+
+    def take_turn(self, episode: Episode, turn: TurnOutput) -> bool:
+        """Adds a model turn to its episode; True where it called tools that will run, else the episode ended."""
+        limits = self.limits
+        episode.add_model_turn(turn, self.parser.answer_length(turn.ids))
+        calls, malformed = self.parser.parse(turn.ids)
+        episode.stats.malformed_calls += malformed + max(0, len(calls) - limits.max_parallel_calls)
+        episode.pending_calls = calls[: limits.max_parallel_calls]
+        if not episode.pending_calls:
+            at_budget = turn.finish_reason == "length" and len(episode.ids) >= limits.max_tokens
+            episode.end("max_tokens" if at_budget else None)
+        elif episode.stats.turns >= limits.max_turns:
+            episode.end("max_turns")
+        else:
+            return True
+        return False
+
+    def calls(self, episode: Episode) -> list[ToolCall]:
+        """The episode's pending calls, a per-episode tool's naming its instance."""
+        made = []
+        for name, arguments in episode.pending_calls:
+            create_kwargs = episode.tools_kwargs.get(name, {}).get("create_kwargs", {})
+            if name not in self.tools.per_episode:
+                made.append(ToolCall(name, arguments, create_kwargs))
                 continue
-            asking.append(episode)
-            requests.append(
-                TurnRequest(episode.context(), budget, turn_seed(episode.seed, episode.sample, episode.stats.turns))
-            )
-        calling = []
-        for episode, turn in zip(asking, generate(requests) if requests else [], strict=True):
-            episode.add_model_turn(turn, self.parser.answer_length(turn.ids))
-            calls, malformed = self.parser.parse(turn.ids)
-            episode.stats.malformed_calls += malformed + max(0, len(calls) - limits.max_parallel_calls)
-            episode.pending_calls = calls[: limits.max_parallel_calls]
-            if not episode.pending_calls:
-                at_budget = turn.finish_reason == "length" and len(episode.ids) >= limits.max_tokens
-                episode.end("max_tokens" if at_budget else None)
-            elif episode.stats.turns >= limits.max_turns:
-                episode.end("max_turns")
-            else:
-                calling.append(episode)
-        return calling
+            episode.open_tools.add(name)
+            made.append(ToolCall(name, arguments, create_kwargs, episode.key, name not in episode.succeeded_tools))
+        return made
+
+    @staticmethod
+    def releases(ending: list[Episode]) -> tuple[list[tuple[Episode, str]], list[ToolRelease]]:
+        """The ending episodes' per-episode instances to release (now closed), with their owners."""
+        owners = [(e, name) for e in ending for name in sorted(e.open_tools)]
+        for episode in ending:
+            episode.open_tools = set()
+        return owners, [ToolRelease(name, e.key, name in e.succeeded_tools) for e, name in owners]
+
+    def released(self, owners: list[tuple[Episode, str]], results: list[ToolResult]) -> None:
+        for (episode, name), result in zip(owners, results, strict=True):
+            self._count(episode, name, result)  # calc_reward's, once per instance
+
+    def release_now(self, ending: list[Episode]) -> None:
+        owners, ends = self.releases(ending)
+        if ends:
+            self.released(owners, self.tools.run([], ends)[0])
 
     @staticmethod
     def _count(episode: Episode, name: str, result: ToolResult) -> None:
@@ -311,70 +242,56 @@ class EpisodeRunner:
             episode.stats.lost_instance = name
         episode.stats.tool_reward += result.reward
 
-    def _call(self, episode: Episode, name: str, arguments: str) -> ToolCall:
-        create_kwargs = episode.tools_kwargs.get(name, {}).get("create_kwargs", {})
-        if name not in self.tools.per_episode:
-            return ToolCall(name, arguments, create_kwargs)
-        episode.open_tools.add(name)
-        return ToolCall(name, arguments, create_kwargs, episode.key, name not in episode.succeeded_tools)
-
-    def _tool_turn(self, calling: list[Episode], ending: list[Episode]) -> None:
-        """Runs the calling episodes' calls and appends their results; releases the ending episodes' instances."""
-        calls = [self._call(e, name, arguments) for e in calling for name, arguments in e.pending_calls]
-        owners = [(e, name) for e in ending for name in sorted(e.open_tools)]
-        for episode in ending:
-            episode.open_tools = set()
-        ends = [ToolRelease(name, e.key, name in e.succeeded_tools) for e, name in owners]
-        results, seconds = self.tools.run(calls, ends)
-        for (episode, name), result in zip(owners, results[len(calls) :]):
-            self._count(episode, name, result)  # calc_reward's, once per instance
-        start = 0
-        for episode in calling:
-            mine = results[start : start + len(episode.pending_calls)]
-            start += len(mine)
-            calls_made = zip(episode.pending_calls, mine)
-            episode.stats.tool_turns.append(
-                [{"name": name, "status": r.failure or "ok"} for (name, _), r in calls_made]
-            )
-            for (name, _), result in zip(episode.pending_calls, mine):
-                if result.failure in MODEL_ERRORS:  # the model's mistake, not the tool's: the call was malformed
-                    episode.stats.malformed_calls += 1
-                    continue
-                episode.stats.tool_calls[name] = episode.stats.tool_calls.get(name, 0) + 1
-                self._count(episode, name, result)
-                if result.failure is None and name in self.tools.per_episode:
-                    episode.succeeded_tools.add(name)
-            episode.stats.tool_s += seconds
-            turn = self.renderer.environment_ids(episode.context(), episode.pending_calls, [r.text for r in mine])
-            if len(episode.ids) - turn.replaced + len(turn.ids) >= self.limits.max_tokens:
-                episode.end("max_tokens")  # no room for the model to read the result and answer
-                episode.stats.dropped_result_tokens = len(turn.ids)
-            else:
-                episode.add_environment(turn.ids, turn.replaced)
-
-
-@dataclass(frozen=True)
-class EpisodeOptions:
-    """What an engine needs to run episodes (from the `episode` config section)."""
-
-    limits: EpisodeLimits
-    tools: ToolSettings
-    tool_parser: str
-    renderer: str  # auto | chat | plain
-    tool_response_format: str  # plain renderer
-    stop: tuple[str, ...]  # strings that end a model turn (kept in its ids)
-    outcomes: OutcomesConfig | None = None  # which episodes are played again (`algorithm.outcomes`)
-
-
-def build_runner(options: EpisodeOptions, tokenizer: Any, model_type: str | None) -> EpisodeRunner:
-    """The parser, the tool workers and the renderer of one engine."""
-    parser = ToolCallParser(options.tool_parser, tokenizer)
-    tools = ToolBox(options.tools)
-    try:
-        renderer = make_renderer(
-            options.renderer, tokenizer, options.tool_response_format, model_type, list(tools.schemas.values())
+    def take_results(self, episode: Episode, results: list[ToolResult], seconds: float) -> None:
+        """Counts the episode's call results and appends them, or ends it where they would not leave room for
+        another model turn."""
+        episode.stats.tool_turns.append(
+            [{"name": name, "status": r.failure or "ok"} for (name, _), r in zip(episode.pending_calls, results)]
         )
-    except Exception:
-        tools.close()
-        raise
-    return EpisodeRunner(options.limits, parser, tools, renderer, options.outcomes)
+        for (name, _), result in zip(episode.pending_calls, results, strict=True):
+            if result.failure in MODEL_ERRORS:  # the model's mistake, not the tool's: the call was malformed
+                episode.stats.malformed_calls += 1
+                continue
+            episode.stats.tool_calls[name] = episode.stats.tool_calls.get(name, 0) + 1
+            self._count(episode, name, result)
+            if result.failure is None and name in self.tools.per_episode:
+                episode.succeeded_tools.add(name)
+        episode.stats.tool_s += seconds
+        turn = self.renderer.environment_ids(episode.context(), episode.pending_calls, [r.text for r in results])
+        if len(episode.ids) - turn.replaced + len(turn.ids) >= self.limits.max_tokens:
+            episode.end("max_tokens")  # no room for the model to read the result and answer
+            episode.stats.dropped_result_tokens = len(turn.ids)
+        else:
+            episode.add_environment(turn.ids, turn.replaced)
+
+
+class Scheduler(Protocol):
+    def play(self, runner: EpisodeRunner, episodes: list[Episode], engine: TurnEngine) -> None:
+        """Turns until every episode ended and released what it held."""
+        ...
+
+
+class LockstepScheduler:
+    """Every live episode goes to the engine together at each turn, and their tool calls run together: the next
+    turn waits for the slowest call (`episode.scheduling=lockstep`, the baseline)."""
+
+    def play(self, runner: EpisodeRunner, episodes: list[Episode], engine: TurnEngine) -> None:
+        while live := [e for e in episodes if not e.done]:
+            asking = [(e, r) for e in live if (r := runner.request(e)) is not None]
+            turns = generate_all(engine, [r for _, r in asking]) if asking else []
+            calling = [e for (e, _), turn in zip(asking, turns, strict=True) if runner.take_turn(e, turn)]
+            self._tool_turn(runner, calling, ending=[e for e in live if e.done and e.open_tools])
+        runner.release_now([e for e in episodes if e.open_tools])  # those that ended on a tool turn
+
+    @staticmethod
+    def _tool_turn(runner: EpisodeRunner, calling: list[Episode], ending: list[Episode]) -> None:
+        """Runs the calling episodes' calls and appends their results; releases the ending episodes' instances."""
+        calls = [runner.calls(e) for e in calling]
+        owners, ends = runner.releases(ending)
+        results, seconds = runner.tools.run([c for mine in calls for c in mine], ends)
+        start = sum(len(mine) for mine in calls)
+        runner.released(owners, results[start:])
+        start = 0
+        for episode, mine in zip(calling, calls):
+            runner.take_results(episode, results[start : start + len(mine)], seconds)
+            start += len(mine)

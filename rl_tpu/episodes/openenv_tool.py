@@ -15,31 +15,41 @@ keeps it in one tool worker); once an observation says `done`, further calls fai
 tool's schema is the action's fields (its pydantic schema, less OpenEnv's `metadata`), unless the YAML gives
 `tool_schema`. The environment runs in the tool worker process (deadline and memory limit as for any tool), or,
 with `base_url`, on an OpenEnv server (its `http_server` app, in a container or elsewhere): an instance is then a
-session of OpenEnv's `GenericEnvClient` over the server's WebSocket, and the tool's schema is read from the
-server's `/schema` at load.
+session of OpenEnv's `GenericEnvClient` over the server's WebSocket (one connection, hence one environment on
+the server, from the reset to the release: see `RemoteEnvironment` for what a restart or a slow step does), and the
+tool's schema is read from the server's `/schema` at load.
 
 Config keys (the YAML entry's `config`, beside verl's `type: native`): `environment` (import path of the
 `Environment` subclass) or `base_url` (an OpenEnv server's http(s) address; `name` then required), `action`
 (import path of its `Action`; default: the one the class declares as its first type argument, or for a server its
 schema), `name` and `description` (the function's; defaults: the class's name and docstring),
 `environment_kwargs` (given to the class), `timeout_s` (a server's connect and reply deadline, default 30),
-`lifetime` (`call` or `episode`).
+`lifetime` (`call` or `episode`), `reconnects` and `reconnect_backoff_s` (how often a session tries a server that
+is away again, default 3, and the first wait, doubled at each try, default 0.5 s: with the defaults, 3.5 s of
+waits, inside the call's own deadline `episode.tool_timeout_s`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
+import time
 import typing
 import urllib.request
 import uuid
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Awaitable, Optional
 
+from openenv.core.generic_client import GenericEnvClient  # here, not at a call: seconds inside its deadline
 from pydantic import ValidationError
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from websockets.exceptions import ConnectionClosed
 
+from rl_tpu.cluster.call_deadlines import CallTimeout
 from rl_tpu.episodes.refusals import BadArguments
+from rl_tpu.episodes.tool_worker import LostInstance
 
 OBSERVATION_BOOKKEEPING = ("done", "reward", "metadata")  # OpenEnv's own Observation fields, not the model's text
 
@@ -116,36 +126,134 @@ class LocalEnvironment:
         self.environment.close()
 
 
+@dataclass(frozen=True)
+class Reconnect:
+    """How a session waits for a server that is away (the `reconnects` and `reconnect_backoff_s` config keys)."""
+
+    tries: int  # connections tried again after the first fails
+    backoff_s: float  # the wait before the first of them, doubled before each next one
+
+    def waits(self) -> list[float]:
+        return [self.backoff_s * 2**i for i in range(self.tries)]
+
+
+# what a connection that went away raises: refused or reset (OSError, of which OpenEnv's ConnectionError on connect),
+# closed under a message (websockets); a reply's deadline (TimeoutError, also an OSError) is caught before these
+GONE = (OSError, ConnectionClosed)
+
+
 class RemoteEnvironment:
-    """A session on an OpenEnv server (OpenEnv's own WebSocket client)."""
+    """A session on an OpenEnv server (OpenEnv's own WebSocket client): one WebSocket held from the reset to the close,
+    hence one environment on the server for the instance's whole life, as the server makes an environment per
+    connection and destroys it when the connection closes (openenv-core's `http_server.websocket_endpoint`).
 
-    def __init__(self, base_url: str, timeout_s: float, name: str):
-        from openenv.core.generic_client import GenericEnvClient
+    So a connection that goes away after the reset (the server restarted, the connection reset) has taken the
+    episode's state with it: the step fails as `lost` and so does every later one, never sent to a fresh
+    environment as if it were the same; a session is waited for (reconnected, with backoff) only where there is no
+    state yet: the reset, or to tell a server that is back (the episode is `lost`, the next ones get new
+    sessions) from one that stays away (a counted failure naming it). A reply past `timeout_s` fails the step as
+    a `timeout` and ends the session too: its late reply would otherwise be read as the next step's."""
 
+    def __init__(self, base_url: str, timeout_s: float, name: str, reconnect: Reconnect):
+        self.base_url, self.timeout_s, self.reconnect = base_url, timeout_s, reconnect
         self.name = name  # the tool's, for the line the model reads when the server refuses its arguments
-        self.client = GenericEnvClient(base_url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s)
+        self.client: Any = None
+        self.lost: str | None = None  # why this session's state is gone; its later steps fail as lost
 
     async def reset(self, create_kwargs: dict) -> None:
-        await self.client.reset(**create_kwargs)
+        self.client = await self.session(create_kwargs)
 
-    async def step(self, action: Any) -> tuple[dict, Optional[float], bool]:
+    async def session(self, create_kwargs: dict | None) -> Any:
+        """A new session, reset with `create_kwargs` (None: not reset), tried again while the server is away;
+        ConnectionError naming the server and the tries once they are spent."""
+        start, failures = time.monotonic(), []
+        for wait in [0.0, *self.reconnect.waits()]:
+            await asyncio.sleep(wait)
+            client = GenericEnvClient(self.base_url, connect_timeout_s=self.timeout_s, message_timeout_s=self.timeout_s)
+            try:
+                await client.connect()
+                if create_kwargs is not None:
+                    await self.answer(client.reset(**create_kwargs), "a reset")
+                return client
+            except GONE as err:
+                failures.append(one_line(err))
+            except Exception:
+                await closed(client, self.timeout_s)
+                raise
+            await closed(client, self.timeout_s)
+        raise ConnectionError(
+            f"the OpenEnv server at {self.base_url} took no session in {len(failures)} tries over "
+            f"{time.monotonic() - start:.1f} s (tool {self.name!r}, config reconnects={self.reconnect.tries}, "
+            f"reconnect_backoff_s={self.reconnect.backoff_s:g}); the last: {failures[-1]}"
+        )
+
+    async def answer(self, request: Awaitable[Any], what: str) -> Any:
+        """The server's reply to `what`: its refusal as one line, none within `timeout_s` a timeout naming it."""
         try:
-            result = await self.client.step(action)
+            return await request
+        except TimeoutError:
+            raise CallTimeout(
+                f"the OpenEnv server at {self.base_url} did not answer {what} within {self.timeout_s:g} s "
+                f"(tool {self.name!r}, config timeout_s)"
+            ) from None
         except RuntimeError as err:  # the server refused the action or failed: one line for the model, not a report
             line = " ".join(str(err).split())
             if "(code: VALIDATION_ERROR)" in line:
                 raise BadArguments(f"invalid arguments for {self.name}: {line}") from None
             raise ValueError(line) from None
+
+    async def step(self, action: Any) -> tuple[dict, Optional[float], bool]:
+        if self.lost:
+            raise LostInstance(self.lost)
+        try:
+            result = await self.answer(self.client.step(action), "a step")
+        except CallTimeout:
+            self.lost = f"tool {self.name!r}: a step of this episode's session timed out; the session is closed"
+            await self.close()
+            raise
+        except GONE as err:
+            await self.close()
+            self.lost = (
+                f"tool {self.name!r}: the OpenEnv server at {self.base_url} dropped this episode's session "
+                f"({one_line(err)}); the server's environment ended with the "
+                "connection: the episode's state is lost"
+            )
+            await closed(await self.session(None), self.timeout_s)  # the server is back, or a counted failure
+            raise LostInstance(self.lost) from None
         return result.observation, result.reward, bool(result.done)
 
     async def close(self) -> None:
-        await self.client.close()
+        if self.client is not None:
+            await closed(self.client, self.timeout_s)
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+async def closed(client: Any, timeout_s: float) -> None:
+    """`client` closed, within `timeout_s` (a close handshake with a server that does not answer waits longer)."""
+    try:
+        await asyncio.wait_for(client.close(), timeout_s)
+    except (TimeoutError, *GONE):
+        pass
+
+
+def reconnect_setting(config: dict) -> Reconnect:
+    """The `reconnects` (default 3) and `reconnect_backoff_s` (default 0.5) config keys, refused when negative."""
+    tries, backoff_s = config.get("reconnects", 3), config.get("reconnect_backoff_s", 0.5)
+    if not isinstance(tries, int) or isinstance(tries, bool) or tries < 0:
+        raise ValueError(f"OpenEnvTool config reconnects={tries!r}: allowed values are integers >= 0")
+    if not isinstance(backoff_s, (int, float)) or isinstance(backoff_s, bool) or backoff_s < 0:
+        raise ValueError(f"OpenEnvTool config reconnect_backoff_s={backoff_s!r}: allowed values are numbers >= 0")
+    return Reconnect(tries, float(backoff_s))
 
 
 class OpenEnvTool(BaseTool):
     def __init__(self, config: dict, tool_schema: Optional[OpenAIFunctionToolSchema] = None):
         self.base_url = config.get("base_url")
         self.timeout_s = float(config.get("timeout_s", 30))
+        self.reconnect = reconnect_setting(config)
         if ("environment" in config) == bool(self.base_url):
             raise ValueError(
                 "OpenEnvTool: set one of config.environment (the Environment subclass's import path) and "
@@ -180,7 +288,7 @@ class OpenEnvTool(BaseTool):
     async def create(self, instance_id: Optional[str] = None, **kwargs) -> tuple[str, ToolResponse]:
         instance_id = instance_id or uuid.uuid4().hex
         if self.base_url:
-            environment = RemoteEnvironment(self.base_url, self.timeout_s, self.name)
+            environment = RemoteEnvironment(self.base_url, self.timeout_s, self.name, self.reconnect)
         else:
             environment = LocalEnvironment(self.environment(**self.environment_kwargs))
         await environment.reset(kwargs.get("create_kwargs") or {})

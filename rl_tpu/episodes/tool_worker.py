@@ -16,13 +16,14 @@ environment: a game, a shell, a database): its episode's first call creates it, 
 ``calc_reward`` once and releases it. A call for an instance this worker does not hold, though an earlier call of
 the episode succeeded, fails as ``lost`` (the worker was replaced after a crash or timeout: its state is gone).
 
-Calls run at once: a job's items are tasks on the worker's event loop (at most `calls_per_worker`), each
-answered as it ends and each with its own deadline (`rl_tpu.cluster.call_deadlines`: a call that awaits too long
-is cancelled, one that blocks the loop is interrupted, one stuck in a thread is left to the pool, which replaces
-the worker). A per-episode instance's calls and release run one after another, in the order sent; one whose call
-timed out is dropped (its state is unknown: later calls fail as ``lost``). Code that blocks (``time.sleep``, a
-synchronous client) runs one call at a time whatever the bound: only awaiting lets the others run. A result's
-text is cut to `max_response_chars` here, before it crosses the pipe.
+Calls run at once: the items of every job it was sent are tasks on the worker's event loop (it reads a new job
+while earlier ones run: `serve_concurrently`; at most `calls_per_worker` run), each answered as it ends and each
+with its own deadline (`rl_tpu.cluster.call_deadlines`: a call that awaits too long is cancelled, one that blocks
+the loop is interrupted, one stuck in a thread is left to the pool, which replaces the worker). A per-episode
+instance's calls and release run one after another, in the order sent; one whose call timed out is dropped (its
+state is unknown: later calls fail as ``lost``). Code that blocks (``time.sleep``, a synchronous client) runs one
+call at a time whatever the bound: only awaiting lets the others run. A result's text is cut to
+`max_response_chars` here, before it crosses the pipe.
 
 Ray is off in a tool worker: it is a plain process outside the run's Ray cluster, where a tool's Ray actor would
 start a private cluster per worker (see `refuse_ray`).
@@ -42,10 +43,10 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Iterator
+from typing import Any, Awaitable
 
 from rl_tpu.cluster.call_deadlines import CallTimeout, Deadlines
-from rl_tpu.cluster.worker_pool import serve
+from rl_tpu.cluster.worker_pool import serve_concurrently
 from rl_tpu.episodes.refusals import BadArguments
 
 
@@ -400,20 +401,14 @@ def load(setup: ToolSetup) -> tuple[ToolWorker, ToolsReady]:
     return ToolWorker(tools, setup), ToolsReady(schemas(tools), per_episode)
 
 
-def answer(worker: ToolWorker, positions: list[int], items: list, loop) -> Iterator[list]:
-    """The job's items run at once, each answered as it ends (an item never answered is left to the pool)."""
+async def answer(worker: ToolWorker, item: ToolCall | ToolRelease, loop) -> tuple | None:
+    """One item's outcome (`serve_concurrently`: the items of every job run at once, each answered as it ends)."""
     worker.start(loop)
-    tasks = {loop.create_task(answer_item(worker, item)): position for position, item in zip(positions, items)}
-    pending = set(tasks)
-    while pending:
-        done, pending = loop.run_until_complete(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
-        message = [(tasks[task], task.result()) for task in done if task.result() is not None]
-        if message:
-            yield message
+    return await answer_item(worker, item)
 
 
 if __name__ == "__main__":
     # run as the imported module, not as __main__: the classes it sends and receives must be the parent's
     from rl_tpu.episodes import tool_worker
 
-    serve(tool_worker.load, tool_worker.answer)
+    serve_concurrently(tool_worker.load, tool_worker.answer)

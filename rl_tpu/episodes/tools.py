@@ -187,31 +187,113 @@ class ToolBox:
             return [], 0.0
         start = time.perf_counter()
         items = [*calls, *ends]
-        names, at_least = [item.name for item in items], max(2 * self.pool.size, 8)
+        names, at_least = [item.name for item in items], self.first_calls
         outcomes = self.pool.run(
             items,
             batched=False,
-            failed=lambda kind, message: ("fail", kind, message),
+            failed=_failed,
             shares_per_worker=math.ceil(len(items) / (self.pool.size * self.settings.calls_per_worker)),
             give_up=None if self.tally.stopped else lambda o: self.tally.first_all_failed(names, o, at_least),
-            route=lambda item: zlib.crc32(item.episode.encode()) if item.episode is not None else None,
+            route=_route,
             concurrent=True,
         )
         for name, outcome in zip(names, outcomes):
             self.tally.add(name, outcome)
-        if not self.tally.stopped and self.tally.first_all_failed([], [], at_least):
+        self.check_first_calls()
+        return [_result(item, outcome) for item, outcome in zip(items, outcomes)], time.perf_counter() - start
+
+    @property
+    def first_calls(self) -> int:
+        """How many first calls of a batch, all failed, stop it (`FailureTally.first_all_failed`)."""
+        return max(2 * self.pool.size, 8)
+
+    def check_first_calls(self) -> None:
+        if not self.tally.stopped and self.tally.first_all_failed([], [], self.first_calls):
             raise self.tally.error(self.where, "every one of them")
-        results = []
-        for call, outcome in zip(items, outcomes):
-            if outcome[0] == "ok":
-                _, text, reward = outcome
-                results.append(ToolResult(text, reward))  # cut in the worker
-                continue
-            _, kind, message = outcome
-            text = failure_text(call, kind, message)
-            log.warning("tool %s failed (%s): %s", call.name, kind, text)
-            results.append(ToolResult(text, 0.0, kind))
-        return results, time.perf_counter() - start
+
+    def stream(self) -> ToolStream:
+        """Calls submitted while others run, each group answered as its last call ends (`ToolStream`)."""
+        return ToolStream(self)
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _failed(kind: str, message: str) -> tuple:
+    return ("fail", kind, message)
+
+
+def _route(item: ToolCall | ToolRelease) -> int | None:
+    """A per-episode instance's calls and release go to the worker that holds it."""
+    return zlib.crc32(item.episode.encode()) if item.episode is not None else None
+
+
+def _result(item: ToolCall | ToolRelease, outcome: tuple) -> ToolResult:
+    if outcome[0] == "ok":
+        _, text, reward = outcome
+        return ToolResult(text, reward)  # cut in the worker
+    _, kind, message = outcome
+    text = failure_text(item, kind, message)
+    log.warning("tool %s failed (%s): %s", item.name, kind, text)
+    return ToolResult(text, 0.0, kind)
+
+
+@dataclass
+class _Group:
+    number: int
+    positions: list[int]
+    start: float
+    left: int
+
+
+class ToolStream:
+    """Tool calls of episodes that advance on their own: each group (one episode's turn of calls, or its releases)
+    is submitted when it is ready and runs at once beside the others (the workers read new calls while they run
+    earlier ones), and comes back when its own last call ended, however long the others take. The deadlines,
+    instance routing, failure counting and the failure-rate stop are the batch's, as in `ToolBox.run`. One stream at
+    a time, never beside `ToolBox.run`; `close` it (what is still running is cancelled)."""
+
+    def __init__(self, box: ToolBox):
+        self.box = box
+        self.job = box.pool.stream(_failed, _route)
+        self.groups: dict[int, _Group] = {}
+        self.owner: dict[int, int] = {}  # position -> group
+
+    @property
+    def calls_in_flight(self) -> int:
+        return len(self.owner)
+
+    def submit(self, calls: Sequence[ToolCall], ends: Sequence[ToolRelease] = ()) -> int:
+        """Sends the group's calls, then its releases; returns its number (`poll` names it when it ends)."""
+        number = len(self.groups)
+        positions = self.job.add([*calls, *ends])
+        self.groups[number] = _Group(number, positions, time.perf_counter(), len(positions))
+        self.owner.update((position, number) for position in positions)
+        return number
+
+    def poll(self, timeout: float) -> list[tuple[int, list[ToolResult], float]]:
+        """The groups that ended, waiting up to `timeout` seconds for answers: each with its results in order and
+        the seconds it took. Raises `ToolError` as soon as the batch's first calls all failed."""
+        if self.box.pool.closed:
+            raise ToolError(f"the tool workers for {self.box.where} were closed")
+        if not self.job.finished:
+            self.job.step(timeout)
+        ended = []
+        for position in self.job.take_answered():
+            self.box.tally.add(self.job.items[position].name, self.job.outcomes[position])
+            group = self.groups[self.owner.pop(position)]
+            group.left -= 1
+            if not group.left:
+                ended.append(group)
+        if not self.box.tally.stopped and self.box.tally.first_all_failed([], [], self.box.first_calls):
+            self.job.cancel("not run: the batch was given up")
+            self.box.check_first_calls()
+        now, items, outcomes = time.perf_counter(), self.job.items, self.job.outcomes
+        return [(g.number, [_result(items[p], outcomes[p]) for p in g.positions], now - g.start) for g in ended]
+
+    def cpu_seconds(self) -> float:
+        """The tool workers' CPU time so far (`WorkerPool.cpu_seconds`)."""
+        return self.box.pool.cpu_seconds()
+
+    def close(self) -> None:
+        self.job.close()

@@ -21,10 +21,11 @@ from rl_tpu.cluster.core_loan import EngineActivity
 from rl_tpu.cluster.cores import CpuBinding
 from rl_tpu.cluster.memory import peak_rss_mb
 from rl_tpu.cluster.placement import require_model_on_node, where_am_i
-from rl_tpu.episodes.loop import EpisodeOptions, TurnOutput, TurnRequest, build_runner
+from rl_tpu.episodes.build import EpisodeOptions, build_runner
 from rl_tpu.models.precision import keep_vllm_residual_fp32
 from rl_tpu.records import CanaryTokens, Rollout, WeightBundle, WeightSyncError
 from rl_tpu.sampler.adapters import AdapterServing
+from rl_tpu.sampler.episode_requests import EngineRequests
 from rl_tpu.sampler.scoring import canary_params, continuation_logprobs, dense_rows, full_distribution_params
 from rl_tpu.sampler.served import served_weights
 from rl_tpu.sampler.turns import EngineTurns
@@ -235,8 +236,7 @@ class Sampler:
         seeds = seeds if seeds is not None else [None] * len(prompts)
         if self.episodes is not None:
             kwargs = tools_kwargs if tools_kwargs is not None else [{}] * len(prompts)
-            generate_turn = lambda requests: self._turn(requests, settings)  # noqa: E731
-            return self.episodes.run(prompts, settings.n, seeds, kwargs, generate_turn)
+            return self._episodes(prompts, settings, seeds, kwargs)
         params = [sampling_params(settings, settings.n, settings.max_tokens, seed) for seed in seeds]
         outputs, version = self._generate(prompts, params)
         rollouts = []
@@ -248,21 +248,25 @@ class Sampler:
                 )
         return rollouts
 
-    def _turn(self, requests: list[TurnRequest], settings: SamplingSettings) -> list[TurnOutput]:
-        """One model turn of several episodes (an install sent before their call waits for all of them)."""
-        params = [
-            sampling_params(
-                settings, 1, r.max_tokens, r.seed, self.options.episodes.stop, self.episodes.parser.stop_token_ids
+    def _episodes(
+        self, prompts: list[list[int]], settings: SamplingSettings, seeds: list, tools_kwargs: list[dict]
+    ) -> list[Rollout]:
+        """A batch of episodes, the whole batch one turn of the engine: one weight version serves every model turn
+        (an install sent after the call waits for the batch), recorded per turn."""
+        stop, stop_ids = self.options.episodes.stop, self.episodes.parser.stop_token_ids
+        with self.activity, self.turns.generation():
+            engine = EngineRequests(
+                self.llm,
+                lambda r: sampling_params(settings, 1, r.max_tokens, r.seed, stop, stop_ids),
+                lambda completion: sampled_tokens(completion, settings),
+                self.served.request,
+                self.version,
             )
-            for r in requests
-        ]
-        outputs, version = self._generate([r.ids for r in requests], params)
-        turns = []
-        for output in outputs:
-            completion = output.outputs[0]
-            ids, logprobs = sampled_tokens(completion, settings)
-            turns.append(TurnOutput(ids, logprobs, completion.finish_reason or "length", version))
-        return turns
+            try:
+                return self.episodes.run(prompts, settings.n, seeds, tools_kwargs, engine)
+            finally:
+                engine.abort()
+                self.busy_s += engine.busy_s
 
     def _generate(self, prompts: list[list[int]], params: list) -> tuple[list, int]:
         """vLLM's outputs, and the weight version that produced them."""

@@ -2,7 +2,11 @@
 processes): the tool_math recipe's model (the shipped warm start: it calls the calculator in about a quarter of its
 episodes) calls the tool, reads its result and answers; after every weight sync the engine's and the trainer's
 fp32 logprobs of the model's tokens agree below 1e-5 per token; a sync-mode run with this deterministic tool
-resumes exactly; an OpenEnv environment as the tool, one per episode, under a LoRA policy."""
+resumes exactly; an OpenEnv environment as the tool, one per episode, under a LoRA policy.
+
+Both episode schedulers run, without a run of their own: the first run advances episodes on their own
+(`episode.scheduling=async`), and the resumed run plays its steps in lockstep (the default), so it resumes exactly
+only if both schedulers make the same episodes, and its logprob gap is lockstep's."""
 
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def episode_run(tmp_path_factory):
         "trainer.total_steps=4",
         "trainer.checkpoint_every=2",
         "trainer.rollout_data_every=1",
+        "episode.scheduling=async",
     )
     return root
 
@@ -89,15 +94,19 @@ def test_the_rollout_inspector_sets_the_tool_turns_apart(episode_run, tmp_path):
         driver.quit()
 
 
-def test_a_sync_run_with_a_deterministic_tool_resumes_exactly(episode_run):
+def test_a_sync_run_with_a_deterministic_tool_resumes_exactly_in_either_scheduling(episode_run):
+    """The run's steps 3 and 4 were played by episodes advancing on their own; the resumed run plays them in
+    lockstep, and every figure that decides learning is the same, bit for bit."""
     episode_cli(
         episode_run / "resumed",
         episode_run / "cache",
         "trainer.total_steps=4",
         f"trainer.resume_from={episode_run / 'run'}/checkpoints/step_2",
+        "episode.scheduling=lockstep",
     )
     trained = [r for r in read_metrics(episode_run / "resumed" / "metrics.jsonl") if "actor/loss" in r]
     assert [r["step"] for r in trained] == [3, 4]
+    assert all(r["actor/logprob_diff"] < 1e-5 for r in trained)  # lockstep's episodes, scored by the trainer
     assert_same_steps(trained, episode_run / "run", keys=("episode/env_tokens_mean", "episode/tool_calls_mean"))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import compose_run
+from turn_engines import BatchEngine
 
 from rl_tpu.episodes.loop import EpisodeLimits, EpisodeRunner, ToolCallParser, TurnOutput, TurnRequest
 from rl_tpu.episodes.render import ChatRenderer, PlainRenderer
@@ -168,23 +169,21 @@ def call_text(expression: str, name: str = "calc") -> str:
     return f' <tool_call>{{"name": "{name}", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
 
 
-class ScriptedEngine:
-    """Answers each turn from a script keyed by the episode's turn number; records what it was asked."""
+class ScriptedEngine(BatchEngine):
+    """Answers each turn from a script keyed by the episode's turn number; records what it was asked. Its weight
+    version falls by one at each step (so an episode's oldest turn shows)."""
 
     def __init__(self, tokenizer, script: list[str], version: int = 3):
+        super().__init__(self._answer)
         self.tokenizer, self.script, self.version = tokenizer, script, version
-        self.requests: list[list[TurnRequest]] = []
-        self.turn = 0
 
-    def __call__(self, requests: list[TurnRequest]) -> list[TurnOutput]:
-        self.requests.append(requests)
-        text = self.script[min(self.turn, len(self.script) - 1)]
-        self.turn += 1
+    def _answer(self, requests: list[TurnRequest]) -> list[TurnOutput]:
         outputs = []
         for request in requests:
+            text = self.script[min(request.turn, len(self.script) - 1)]
             ids = self.tokenizer.encode(text, add_special_tokens=False)[: request.max_tokens]
             finish = "length" if len(ids) == request.max_tokens else "stop"
-            outputs.append(TurnOutput(ids, [-0.5] * len(ids), finish, self.version - self.turn + 1))
+            outputs.append(TurnOutput(ids, [-0.5] * len(ids), finish, self.version - len(self.requests) + 1))
         return outputs
 
 

@@ -17,6 +17,7 @@ import pytest
 from conftest import compose_run
 from test_evaluation import Identity
 from test_tool_failures import Characters, ScriptedTools
+from turn_engines import BatchEngine
 
 from rl_tpu.algorithms import outcomes
 from rl_tpu.algorithms.learning_signal import LearningSignal
@@ -24,7 +25,9 @@ from rl_tpu.config import CustomRewardConfig, OutcomesConfig, RewardConfig, RunC
 from rl_tpu.controller.phases import Phases
 from rl_tpu.controller.rollouts import GeneratedRollouts, GradedBatch, dump_rows, next_graded
 from rl_tpu.data.datasets import Example
-from rl_tpu.episodes.loop import EpisodeLimits, EpisodeRunner, TurnOutput
+from rl_tpu.episodes.asynchronous import AsyncScheduler
+from rl_tpu.episodes.loop import EpisodeLimits, EpisodeRunner, LockstepScheduler, TurnOutput
+from rl_tpu.episodes.tool_worker import ToolRelease
 from rl_tpu.episodes.tools import ToolBox, ToolResult, ToolSettings
 from rl_tpu.grader.grader import Grader, Grades
 from rl_tpu.records import EpisodeStats, Outcome, Rollout
@@ -126,23 +129,24 @@ def test_dynamic_sampling_judges_a_groups_variation_on_its_rows_that_count():
     assert varied == 1 and batch.prompts == [prompts[1]]
 
 
-class RecordingEngine:
+class RecordingEngine(BatchEngine):
     """One episode's turns, in order from a script; records each turn's seed."""
 
     def __init__(self, script: list[str]):
+        super().__init__(self._answer)
         self.script, self.seeds = list(script), []
 
-    def __call__(self, requests):
+    def _answer(self, requests):
         [request] = requests
         self.seeds.append(request.seed)
         turn = self.script.pop(0)
         return [TurnOutput([ord(c) for c in turn], [-0.5] * len(turn), "stop", 1)]
 
 
-def play(tools, script: list[str], **policies) -> tuple[Rollout, RecordingEngine]:
+def play(tools, script: list[str], scheduler=None, **policies) -> tuple[Rollout, RecordingEngine]:
     limits = EpisodeLimits(max_turns=4, max_tokens=200, turn_tokens=50, max_model_len=512)
     engine = RecordingEngine(script * 4)
-    runner = EpisodeRunner(limits, Characters(), tools, Characters(), OutcomesConfig(**policies))
+    runner = EpisodeRunner(limits, Characters(), tools, Characters(), OutcomesConfig(**policies), scheduler)
     [rollout] = runner.run([[1, 2]], 1, [7], [{}], engine)
     return rollout, engine
 
@@ -150,9 +154,10 @@ def play(tools, script: list[str], **policies) -> tuple[Rollout, RecordingEngine
 FAILED = ToolResult("Error executing tool 'game': the service is down", 0.0, "exception")
 
 
-def test_retry_plays_an_episode_again_in_fresh_instances_up_to_its_bound_then_falls_back():
+@pytest.mark.parametrize("scheduler", [LockstepScheduler(), AsyncScheduler(64)], ids=["lockstep", "async"])
+def test_retry_plays_an_episode_again_in_fresh_instances_up_to_its_bound_then_falls_back(scheduler):
     tools = ScriptedTools([FAILED] * 3, release=ToolResult("", 0.0))
-    rollout, engine = play(tools, ["call:game", "done"], tool_failure="retry", max_retries=2)
+    rollout, engine = play(tools, ["call:game", "done"], scheduler, tool_failure="retry", max_retries=2)
     assert (rollout.outcome, rollout.episode.retries) == (Outcome.tool_failure, 2)  # 3 plays, all failed
     calls = [item for item in tools.sent if hasattr(item, "may_create")]
     assert len({call.episode for call in calls}) == 3 and all(call.may_create for call in calls)  # fresh instances
@@ -162,12 +167,13 @@ def test_retry_plays_an_episode_again_in_fresh_instances_up_to_its_bound_then_fa
         assert outcomes.counted([rollout], cfg) == counts
     # a failure that passes: the second play scores
     tools = ScriptedTools([FAILED, ToolResult("3 left", 0.25)], release=ToolResult("", 0.0))
-    rollout, _ = play(tools, ["call:game", "done"], tool_failure="retry")
+    rollout, _ = play(tools, ["call:game", "done"], scheduler, tool_failure="retry")
     assert (rollout.outcome, rollout.episode.retries, rollout.episode.tool_reward) == (Outcome.scored, 1, 0.25)
     # without retry, the episode is played once
     tools = ScriptedTools([FAILED], release=ToolResult("", 0.0))
-    rollout, _ = play(tools, ["call:game", "done"])
+    rollout, _ = play(tools, ["call:game", "done"], scheduler)
     assert (rollout.outcome, rollout.episode.retries) == (Outcome.tool_failure, 0)
+    assert len([item for item in tools.sent if isinstance(item, ToolRelease)]) == 1  # its instance released, once
 
 
 TOOLS = """

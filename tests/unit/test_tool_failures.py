@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import compose_run
+from turn_engines import BatchEngine, RunStream
 
 from rl_tpu.cluster import worker_pool
 from rl_tpu.cluster.worker_pool import WorkerLimits, WorkerPool, worker_environment
@@ -108,6 +109,23 @@ def test_a_place_is_given_up_after_its_bounded_number_of_failed_starts(fake_pool
     [outcome] = pool.run(["x"], batched=False, failed=failed, route=lambda item: 0)
     assert outcome[1] == "unavailable" and "given up" in outcome[2]  # no further start was tried
     assert pool.run(["y", "z"], batched=False, failed=failed) == [("ok", "y"), ("ok", "z")]  # the other place works
+
+
+def test_a_stream_spreads_calls_without_an_instance_over_the_workers(fake_pool):
+    """Calls added one by one, as episodes end their turns, go to the least loaded worker: before, the first worker
+    took the whole queue, and CPU-bound calls ran one after another while the other worker idled."""
+    pool, _ = fake_pool
+    job = pool.stream(failed)
+    try:
+        for item in "abcd":
+            job.add([item])
+            job._dispatch()
+        assert [len(w.in_flight) for w in pool.live] == [2, 2]
+        while not job.finished:
+            job.step(5.0)
+        assert job.outcomes == [("ok", item) for item in "abcd"]
+    finally:
+        job.close()
 
 
 def tools_yaml(folder: Path, classes: dict[str, str]) -> Path:
@@ -248,13 +266,16 @@ class ScriptedTools:
         self.sent += [*calls, *ends]
         return [self.results.pop(0) for _ in calls] + [self.release for _ in ends], 0.0
 
+    def stream(self) -> RunStream:  # episodes that advance on their own
+        return RunStream(self.run)
+
 
 def scripted_engine(turns: list[str]):
     def generate(requests) -> list[TurnOutput]:
         turn = turns.pop(0)
         return [TurnOutput([ord(c) for c in turn], [-0.5] * len(turn), "stop", 1) for _ in requests]
 
-    return generate
+    return BatchEngine(generate)
 
 
 def episode(tools: ScriptedTools, turns: list[str], max_tokens: int = 200) -> Rollout:

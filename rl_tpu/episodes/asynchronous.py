@@ -1,0 +1,146 @@
+"""Episodes that advance on their own (`episode.scheduling=async`): an episode goes back to the engine
+as soon as its own tool calls returned, and its calls go to the tools as soon as its turn ended, so the engine
+batches whatever turns are ready and a slow call holds only its own episode.
+
+One loop drives both sides: it queues the ready episodes' turns on the engine (vLLM's request-level API: each
+engine step batches every turn under way), steps the engine, hands each finished turn's calls to the tool workers
+(`ToolStream`: the workers run calls of all episodes at once, up to `max_calls_in_flight` in all), and between
+engine steps takes the results that came back (before a step of few turns, for up to one step's time: `_gather`).
+What a turn does to an episode is the same code as in lockstep (`EpisodeRunner`): ids, masks, logprobs, seeds per
+turn (`turn_seed`: fixed by the episode, not by when its turn ran), truncation, instance routing, releases, failure
+counting; the batch's rollouts come back in prompt and sample order whatever order the episodes ended in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from rl_tpu.episodes.episode import Episode, TurnEngine
+
+if TYPE_CHECKING:
+    from rl_tpu.episodes.loop import EpisodeRunner
+    from rl_tpu.episodes.tools import ToolStream
+
+COMPUTING_CORES = 0.5  # the tool workers' CPU use (in cores) above which their calls count as computing
+WAIT_S = 1.0  # the longest wait for tool results while the engine has nothing to run (a wait ends at an answer)
+
+
+class AsyncScheduler:
+    def __init__(self, max_calls_in_flight: int):
+        self.max_calls_in_flight = max_calls_in_flight
+
+    def play(self, runner: EpisodeRunner, episodes: list[Episode], engine: TurnEngine) -> None:
+        stream = runner.tools.stream()
+        try:
+            _Play(runner, stream, engine, self.max_calls_in_flight).run(episodes)
+        finally:
+            stream.close()
+
+
+class _Play:
+    """One play of a batch's episodes: which are at the engine, waiting for a slot for their calls, or at the
+    tools."""
+
+    def __init__(self, runner: EpisodeRunner, stream: ToolStream, engine: TurnEngine, max_calls_in_flight: int):
+        self.runner, self.stream, self.engine, self.bound = runner, stream, engine, max_calls_in_flight
+        self.at_engine: dict[str, Episode] = {}  # request id -> episode
+        self.ready: list[Episode] = []  # its calls returned while the engine ran: it joins the next round
+        self.calling: deque[Episode] = deque()  # its turn called tools: waiting for room under the bound
+        self.at_tools: dict[int, Episode | None] = {}  # stream group -> its episode (None: releases)
+        self.releasing: dict[int, list] = {}  # stream group -> the owners of its releases
+        self.call_s: list[float] = []  # how long this batch's tool turns took
+        self.round_s = 0.0  # the engine's last round: from its turns' start until the last of them ended
+        self.round_start = 0.0
+        self.answered_at = 0.0  # when an episode's tool calls last came back
+
+    def run(self, episodes: list[Episode]) -> None:
+        self.ready = list(episodes)
+        while self.at_engine or self.ready or self.calling or self.at_tools:
+            self._send_calls()
+            if self.engine.busy():
+                for request, turn in self.engine.step():
+                    episode = self.at_engine.pop(request)
+                    if self.runner.take_turn(episode, turn):
+                        self.calling.append(episode)
+                    else:
+                        self._release(episode)
+                self._take_results(0.0)
+                if not self.engine.busy():
+                    self.round_s = time.perf_counter() - self.round_start
+                continue
+            self._gather()
+            self.round_start = time.perf_counter()
+            for episode in self.ready:  # the next round: every episode whose calls returned
+                self._to_engine(episode)
+            self.ready = []
+
+    def _playing_at_tools(self) -> int:
+        return sum(episode is not None for episode in self.at_tools.values())
+
+    def _gather(self) -> None:
+        """Between rounds, waits for the episodes at the tools: until all are back, or, after the first is back,
+        for the longer of a typical tool turn of this batch (the median so far) and the engine's last round. An
+        engine step costs about as much for a few turns as for many (on CPU above all), so turns are best started
+        together, and a turn that missed a round costs its episode a round; a straggler (a call slower than that)
+        joins a later round instead of holding every episode, as lockstep does."""
+        if not self.ready and self.at_tools:  # nothing to run: the first answer (or release) that comes back
+            self._take_results(WAIT_S)
+        if self.calling:
+            return  # calls wait for room under the bound: the round starts without them
+        typical = sorted(self.call_s)[len(self.call_s) // 2] if self.call_s else WAIT_S
+        start, cpu_start = time.perf_counter(), self.stream.cpu_seconds()
+        deadline = start + max(typical, self.round_s)
+        while self._playing_at_tools():
+            until = deadline
+            if self.answered_at + self.round_s > deadline and self._tools_compute(start, cpu_start):
+                until = self.answered_at + self.round_s
+            if time.perf_counter() >= until:
+                return
+            self._take_results(until - time.perf_counter())
+
+    def _tools_compute(self, start: float, cpu_start: float) -> bool:
+        """Whether the tool workers spent at least half a core on their calls since `start`: then their calls are
+        work, not waits, and a round started before the answers stop coming competes with them for the CPU (on a
+        host where the engine computes too) and feeds them calls they cannot start yet; so answers that keep coming
+        within a round's time of each other are waited for past the deadline, as lockstep would."""
+        elapsed = time.perf_counter() - start
+        return elapsed > 0 and (self.stream.cpu_seconds() - cpu_start) / elapsed >= COMPUTING_CORES
+
+    def _to_engine(self, episode: Episode) -> None:
+        request = self.runner.request(episode)
+        if request is None:  # no room left: ended
+            self._release(episode)
+        else:
+            self.at_engine[self.engine.add(request)] = episode
+
+    def _send_calls(self) -> None:
+        """The waiting episodes' calls, in the order their turns ended, while they fit under the bound (one
+        episode's calls at least, whatever their number)."""
+        while self.calling:
+            calls = self.runner.calls(self.calling[0])
+            if self.stream.calls_in_flight and self.stream.calls_in_flight + len(calls) > self.bound:
+                return
+            self.at_tools[self.stream.submit(calls)] = self.calling.popleft()
+
+    def _release(self, episode: Episode) -> None:
+        """An ended episode's instances are released at once: its calls have all returned."""
+        owners, ends = self.runner.releases([episode])
+        if ends:
+            group = self.stream.submit([], ends)
+            self.at_tools[group], self.releasing[group] = None, owners
+
+    def _take_results(self, timeout: float) -> None:
+        for group, results, seconds in self.stream.poll(timeout):
+            episode = self.at_tools.pop(group)
+            if episode is None:
+                self.runner.released(self.releasing.pop(group), results)
+                continue
+            self.call_s.append(seconds)
+            self.answered_at = time.perf_counter()
+            self.runner.take_results(episode, results, seconds)
+            if episode.done:
+                self._release(episode)
+            else:
+                self.ready.append(episode)
