@@ -1,14 +1,15 @@
 """Guess the number, an OpenEnv environment with state across the model's turns: served as a tool by
 `rl_tpu.episodes.openenv_tool.OpenEnvTool` with `lifetime: episode` (guess_number.yaml), so every guess of an
-episode is a step of the same game. Each guess is answered "higher", "lower" or "correct"; the correct guess ends
-the game with reward 1, less 0.1 for every earlier guess.
+episode is a step of the same game. Each guess is answered "higher", "lower" or "correct", with the numbers still
+possible after every answer so far (`low`..`high`); the correct guess ends the game with reward 1, less 0.1 for every
+earlier guess.
 
 guess_number_server.py serves the same game from an OpenEnv server (guess_number_remote.yaml).
 
 The secret comes from the row's `extra_info.tools_kwargs.guess.create_kwargs` (`target`, or `seed` to draw it),
 between `low` and `high` (default 1 and 100). `feedback=False` (the YAML's `environment_kwargs`,
-guess_number_no_feedback.yaml) answers every wrong guess "wrong", with no direction: the control of
-recipes/guess_number, where reading the answers cannot help.
+guess_number_no_feedback.yaml) answers every wrong guess "wrong", with no direction and the whole range: the
+control of recipes/guess_number, where reading the answers cannot help.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class GuessAction(Action):
 
 class GuessObservation(Observation):
     hint: str = ""  # higher | lower | correct (without feedback: wrong | correct)
+    low: int = 0  # the numbers still possible after the answers so far: low..high
+    high: int = 0
     guesses: int = 0  # guesses so far in this game
 
 
@@ -37,6 +40,7 @@ class GuessNumberEnvironment(Environment[GuessAction, GuessObservation, State]):
     def __init__(self, feedback: bool = True):
         super().__init__()
         self._state, self._target, self._feedback = State(), 0, feedback
+        self._low, self._high = 0, 0
 
     def reset(self, seed=None, episode_id=None, target=None, low=1, high=100, **kwargs) -> GuessObservation:
         if target is None:
@@ -44,15 +48,24 @@ class GuessNumberEnvironment(Environment[GuessAction, GuessObservation, State]):
         if not low <= target <= high:
             raise ValueError(f"guess_number: target {target} is outside [{low}, {high}]")
         self._state, self._target = State(episode_id=episode_id), target
-        return GuessObservation()
+        self._low, self._high = low, high
+        return GuessObservation(low=low, high=high)
 
     def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
         self._state.step_count += 1
+        count = self._state.step_count
         if action.guess == self._target:
-            reward = max(0.0, 1.0 - 0.1 * (self._state.step_count - 1))
-            return GuessObservation(hint="correct", guesses=self._state.step_count, done=True, reward=reward)
-        hint = "wrong" if not self._feedback else "higher" if self._target > action.guess else "lower"
-        return GuessObservation(hint=hint, guesses=self._state.step_count)
+            reward = max(0.0, 1.0 - 0.1 * (count - 1))
+            return GuessObservation(
+                hint="correct", low=self._low, high=self._high, guesses=count, done=True, reward=reward
+            )
+        if not self._feedback:
+            return GuessObservation(hint="wrong", low=self._low, high=self._high, guesses=count)
+        if self._target > action.guess:
+            hint, self._low = "higher", max(self._low, action.guess + 1)
+        else:
+            hint, self._high = "lower", min(self._high, action.guess - 1)
+        return GuessObservation(hint=hint, low=self._low, high=self._high, guesses=count)
 
     @property
     def state(self) -> State:

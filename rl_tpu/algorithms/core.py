@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rl_tpu.algorithms.registry import core_algos, estimator_facts, loss_facts, policy_loss_fn
+from rl_tpu.algorithms.registry import TURN_ESTIMATOR, core_algos, estimator_facts, loss_facts, policy_loss_fn
+from rl_tpu.algorithms.turn_baseline import grpo_turn_advantages
 from rl_tpu.config import ActorConfig, AlgorithmConfig, RunConfig
 
 # verl's KL estimators (core_algos.kl_penalty) by the names it accepts; "+": that value, with the k2 gradient
@@ -158,6 +159,8 @@ def advantages(
     `uid` (the prompt each completion answers), and `components` holds the reward's named parts
     (`gdpo` normalises them one by one). With `model_masks` (episodes), see `on_model_tokens`.
     """
+    if cfg.adv_estimator == TURN_ESTIMATOR:
+        return _grpo_turn(rewards, groups, lengths, cfg, token_penalties, model_masks)
     if model_masks is not None:
         return on_model_tokens(rewards, groups, lengths, cfg, components, token_penalties, model_masks)
     name = cfg.adv_estimator
@@ -189,6 +192,23 @@ def advantages(
             }
         adv, _ = core_algos().get_adv_estimator_fn(name)(**kwargs)
     return [row[:n].tolist() for row, n in zip(adv, lengths)]
+
+
+def _grpo_turn(
+    rewards: list[float],
+    groups: list[int],
+    lengths: list[int],
+    cfg: AlgorithmConfig,
+    token_penalties: list[list[float]] | None,
+    model_masks: list[list[int]] | None,
+) -> list[list[float]]:
+    """`grpo_turn` (`turn_baseline`): the score is the outcome less the penalties of the model's tokens, as GRPO's
+    sum of the token-level rewards; without episodes each completion is one turn."""
+    masks = model_masks if model_masks is not None else [[1] * n for n in lengths]
+    scores = list(rewards)
+    for row, penalty in enumerate(token_penalties or ()):
+        scores[row] -= sum(p for p, m in zip(penalty, masks[row]) if m)
+    return grpo_turn_advantages(scores, groups, masks, cfg.norm_adv_by_std_in_grpo)
 
 
 def on_model_tokens(

@@ -108,6 +108,10 @@ def core_algos():
     return core_algos
 
 
+TURN_ESTIMATOR = "grpo_turn"  # rl_tpu's own: GRPO with a baseline per model turn (turn_baseline)
+OWN_ESTIMATORS = {TURN_ESTIMATOR: EstimatorFacts(compares_group=True)}
+
+
 def is_import_path(name: str) -> bool:
     return IMPORT_PATH.fullmatch(name) is not None
 
@@ -117,6 +121,11 @@ def adv_estimators() -> list[str]:
     return sorted(
         k for k in core_algos().ADV_ESTIMATOR_REGISTRY if not is_import_path(k) and k not in REFUSED_ESTIMATORS
     )
+
+
+def estimator_names() -> list[str]:
+    """Every `algorithm.adv_estimator` name rl_tpu runs: verl's and its own."""
+    return sorted([*adv_estimators(), *OWN_ESTIMATORS])
 
 
 def allowed(names: list[str], facts: type) -> str:
@@ -182,11 +191,13 @@ def estimator_facts(name: str) -> EstimatorFacts:
     if name in REFUSED_ESTIMATORS:
         raise ValueError(
             f"{ESTIMATOR_KEY}={name!r} is not supported: {REFUSED_ESTIMATORS[name]}. "
-            f"Allowed values are {', '.join(adv_estimators())}"
+            f"Allowed values are {', '.join(estimator_names())}"
         )
+    if name in OWN_ESTIMATORS:
+        return OWN_ESTIMATORS[name]
     if name in adv_estimators():
         return EstimatorFacts(compares_group=name in GROUP_ESTIMATORS)
     if not is_import_path(name):
-        raise ValueError(f"{ESTIMATOR_KEY}={name!r}: {allowed(adv_estimators(), EstimatorFacts)}")
+        raise ValueError(f"{ESTIMATOR_KEY}={name!r}: {allowed(estimator_names(), EstimatorFacts)}")
     verl = core_algos()
     return registered(ESTIMATOR_KEY, name, EstimatorFacts, verl.ADV_ESTIMATOR_REGISTRY, verl.register_adv_est)

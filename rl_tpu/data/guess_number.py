@@ -1,5 +1,5 @@
 """Guess the number, the game of recipes/guess_number: its prompt and rows, and the games the tiny preset's warm
-start imitates (a player who guesses at random in range and ignores every answer).
+start imitates (a player who guesses at random in 1..7 and ignores every answer).
 
 The environment is examples/tools/guess_number_env.py, served through `rl_tpu.episodes.openenv_tool.OpenEnvTool`
 with `lifetime: episode`; what it answers a guess is written here exactly as the model reads it
@@ -18,7 +18,9 @@ GUESS_SOURCE = "rl_tpu/guess_number"
 # the tool's name in examples/tools/guess_number_game.yaml: not its argument's ("guess"), so that no token of a call
 # is followed by two different ones (with both "guess", a perturbed policy wrote '{"name": "guess": 2}}')
 GUESS_TOOL = "play"
-GAME_FORMAT = 2  # names the games' text in the tiny preset's cache key (1: the tool was "guess")
+# names the games' text and how the warm start reads it in the tiny preset's cache key (1: the tool was "guess";
+# 2: no range in the answers; 3: the answers out of the warm start's loss)
+GAME_FORMAT = 4
 TOOL_RESPONSE_FORMAT = EpisodeConfig.tool_response_format  # the plain renderer's text around a result
 
 
@@ -35,25 +37,38 @@ def hint(secret: int, guess: int, feedback: bool) -> str:
     return "higher" if secret > guess else "lower"
 
 
+def narrowed(low: int, high: int, guess: int, answer: str) -> tuple[int, int]:
+    """The numbers still possible after `answer` to `guess` (an answer "wrong" or "correct" narrows nothing)."""
+    if answer == "higher":
+        return max(low, guess + 1), high
+    if answer == "lower":
+        return low, min(high, guess - 1)
+    return low, high
+
+
 def guess_call(guess: int) -> str:
     """A model turn that guesses (Hermes format, the turn ending at its `</tool_call>` stop string)."""
     return " <tool_call>" + json.dumps({"name": GUESS_TOOL, "arguments": {"guess": guess}}) + "</tool_call>"
 
 
-def guess_result(answer: str, guesses: int) -> str:
-    """The environment's turn after a guess, as the plain renderer appends it (the observation's fields as JSON)."""
-    return TOOL_RESPONSE_FORMAT.format(result=json.dumps({"hint": answer, "guesses": guesses}))
+def guess_result(answer: str, low: int, high: int, guesses: int) -> str:
+    """The environment's turn after a guess, as the plain renderer appends it (the observation's fields as JSON):
+    the answer, the numbers still possible from what it said so far, and the guesses made."""
+    fields = {"hint": answer, "low": low, "high": high, "guesses": guesses}
+    return TOOL_RESPONSE_FORMAT.format(result=json.dumps(fields))
 
 
 def random_game(rng: random.Random, low: int, high: int, max_guesses: int, feedback: bool) -> list[tuple[str, bool]]:
     """A warm-start game, as (text, the model wrote it) segments after the prompt: a random secret, guesses drawn
-    at random in range whatever the answers, until a guess is correct or `max_guesses` were made; then the player
+    at random in low..high whatever the answers, until a guess is correct or `max_guesses` were made; then the player
     stops (its last turn is the end of sequence, left to the tokenizer: an empty model segment)."""
     secret, segments = rng.randint(low, high), []
+    possible = (low, high)
     for count in range(1, max_guesses + 1):
         guess = rng.randint(low, high)
         answer = hint(secret, guess, feedback)
-        segments += [(guess_call(guess), True), (guess_result(answer, count), False)]
+        possible = narrowed(*possible, guess, answer)
+        segments += [(guess_call(guess), True), (guess_result(answer, *possible, count), False)]
         if answer == "correct":
             break
     return segments + [("", True)]

@@ -222,7 +222,9 @@ def warm_start_game(model: torch.nn.Module, tokenizer, tiny: TinyModelConfig) ->
         ]
         return [(prompt, *_segment_ids(tokenizer, game)) for game in games]
 
-    supervise(model, tokenizer, draw, tiny.warm_start_steps, tiny.warm_start_lr, masked=True)
+    # the environment's answers are in the loss too: the model learns what they say (a guess answered "higher"
+    # makes the guess + 1 the new low), not how to play; its own guesses stay at random
+    supervise(model, tokenizer, draw, tiny.warm_start_steps, tiny.warm_start_lr, masked=False)
 
 
 def supervise(

@@ -70,6 +70,13 @@ def test_the_control_switch_answers_wrong_with_no_direction():
     ]
     assert [json.loads(t.split("\n")[2])["hint"] for t in play(without, 5, [2, 7, 5])] == ["wrong", "wrong", "correct"]
 
+    # the numbers still possible: narrowed by each answer with feedback, the whole range without
+    def possible(tool: OpenEnvTool) -> list[tuple[int, int]]:
+        fields = [json.loads(t.split("\n")[2]) for t in play(tool, 5, [2, 7, 5])]
+        return [(f["low"], f["high"]) for f in fields]
+
+    assert possible(with_feedback) == [(3, 7), (3, 6), (3, 6)] and possible(without) == [(1, 7)] * 3
+
 
 @pytest.mark.parametrize("feedback", [True, False])
 def test_the_warm_starts_games_are_what_the_environment_answers(feedback):
@@ -93,7 +100,7 @@ def test_the_warm_starts_games_are_what_the_environment_answers(feedback):
 
 def test_a_warm_start_game_as_ids_masks_the_answers_and_ends_on_the_end_of_sequence():
     tokenizer = build_tokenizer(512, True, extra_lines=[])
-    game = [(" <tool_call>x</tool_call>", True), (guess_result("lower", 1), False), ("", True)]
+    game = [(" <tool_call>x</tool_call>", True), (guess_result("lower", 1, 3, 1), False), ("", True)]
     ids, mask = _segment_ids(tokenizer, game)
     call, answer = tokenizer(game[0][0])["input_ids"], tokenizer.encode(game[1][0], add_special_tokens=False)
     assert ids == call + answer + [tokenizer.eos_token_id]
@@ -123,7 +130,10 @@ def test_the_reward_is_a_game_won_read_from_the_environments_turns():
     def score(*answers: str) -> dict:
         turns = []
         for count, answer in enumerate(answers, 1):
-            turns += [{"role": "model", "text": "call"}, {"role": "environment", "text": guess_result(answer, count)}]
+            turns += [
+                {"role": "model", "text": "call"},
+                {"role": "environment", "text": guess_result(answer, 1, 7, count)},
+            ]
         return reward.compute_score("s", "", "4", {"episode": {"turns": turns, "text": "", "truncated": None}})
 
     assert score("higher", "correct") == {"score": 1.0, "guesses": 2.0, "won_at": 2}
