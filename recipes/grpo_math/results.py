@@ -20,6 +20,8 @@ from pathlib import Path
 
 from rl_tpu.controller.evaluation import pass_at_k_summary
 from rl_tpu.outputs.metrics import final_accuracy, read_metrics
+from rl_tpu.outputs.seed_runs import finished as run_finished
+from rl_tpu.outputs.seed_runs import seeded
 
 SEEDS = (0, 1, 2)
 PRESETS = ("grpo_math", "dapo_math", "dr_grpo_math", "gspo_math")
@@ -33,10 +35,6 @@ COMMON = [
 ]
 HERE = Path(__file__).resolve().parent
 TOTAL_STEPS = 100  # the recipes' trainer.total_steps
-
-
-def seeded(seed: int) -> list[str]:
-    return [f"seed={seed}", f"sampler.seed={seed}", f"data.shuffle_seed={seed}"]
 
 
 def main_command(run_dir: Path, overrides: list[str]) -> list[str]:
@@ -83,10 +81,8 @@ def run_all(out: Path) -> None:
 
 def finished(run_dir: Path) -> bool:
     """The run's last evaluation is in: the one that samples, after the last step (step 0 of a control)."""
-    path = run_dir / "metrics.jsonl"
-    records = read_metrics(path) if path.is_file() else []
     last_step = 0 if run_dir.parent.name.startswith("sft_control") else TOTAL_STEPS
-    return bool(records) and records[-1]["step"] == last_step and "eval/pass@1" in records[-1]
+    return run_finished(run_dir, last_step, "eval/pass@1")
 
 
 def run_result(run_dir: Path) -> dict[str, float]:

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 from rl_tpu.outputs.metrics import final_accuracy, read_metrics
+from rl_tpu.outputs.seed_runs import finished as run_finished
+from rl_tpu.outputs.seed_runs import seeded
 
 SEEDS = (0, 1, 2)
 VARIANTS = {
@@ -28,14 +30,9 @@ COMMON = ["trainer.export=false", "trainer.checkpoint_every=0", "trainer.checkpo
 TOTAL_STEPS = 100  # both recipes' trainer.total_steps
 
 
-def seeded(seed: int) -> list[str]:
-    return [f"seed={seed}", f"sampler.seed={seed}", f"data.shuffle_seed={seed}"]
-
-
 def finished(run_dir: Path) -> bool:
-    path = run_dir / "metrics.jsonl"
-    records = read_metrics(path) if path.is_file() else []
-    return bool(records) and records[-1]["step"] == TOTAL_STEPS and "eval/accuracy" in records[-1]
+    """The run's last evaluation, after its last step, is in."""
+    return run_finished(run_dir, TOTAL_STEPS)
 
 
 def run(out: Path) -> None:

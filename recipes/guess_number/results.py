@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 from rl_tpu.outputs.metrics import final_accuracy, read_metrics
+from rl_tpu.outputs.seed_runs import finished as run_finished
+from rl_tpu.outputs.seed_runs import markdown_table, seeded
 
 SEEDS = (0, 1, 2)
 VARIANTS = {
@@ -36,15 +38,9 @@ WON = "reward/extra/custom/won_at"  # the guess that won, averaged over the step
 GUESSES = "reward/extra/custom/guesses"  # guesses per game, over every game of the step
 
 
-def seeded(seed: int) -> list[str]:
-    return [f"seed={seed}", f"sampler.seed={seed}", f"data.shuffle_seed={seed}"]
-
-
 def finished(run_dir: Path) -> bool:
     """The run's last evaluation, after its last step, is in."""
-    path = run_dir / "metrics.jsonl"
-    records = read_metrics(path) if path.is_file() else []
-    return bool(records) and records[-1]["step"] == TOTAL_STEPS and "eval/accuracy" in records[-1]
+    return run_finished(run_dir, TOTAL_STEPS)
 
 
 def run(out: Path, extra: list[str]) -> None:
@@ -123,16 +119,7 @@ def table(out: Path) -> None:
     results = {v: {s: figures(out / v / f"seed{s}") for s in SEEDS if finished(out / v / f"seed{s}")} for v in VARIANTS}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(out)
-    keys = list(next(v for seeds in results.values() for v in seeds.values()))
-    print("| run | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    for variant, seeds in results.items():
-        if not seeds:
-            continue
-        means = [statistics.fmean(values[k] for values in seeds.values()) for k in keys]
-        print(f"| {variant}, mean of {len(seeds)} | " + " | ".join(f"{m:.3f}" for m in means) + " |")
-        for seed, values in seeds.items():
-            print(f"| {variant}, seed {seed} | " + " | ".join(f"{values[k]:.3f}" for k in keys) + " |")
+    print(markdown_table(results))
 
 
 if __name__ == "__main__":

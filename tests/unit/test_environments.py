@@ -163,13 +163,16 @@ def test_an_openenv_environment_with_lifetime_episode_is_one_game_across_the_epi
     schema = openenv_toolbox.schemas["guess"]["function"]
     assert schema["parameters"]["required"] == ["guess"] and schema["parameters"]["properties"]["guess"]["type"]
     opened, _ = openenv_toolbox.run([guess(50, "a", target=70), guess(50, "b", target=20)])
-    assert [json.loads(r.text) for r in opened] == [{"hint": "higher", "guesses": 1}, {"hint": "lower", "guesses": 1}]
+    assert [json.loads(r.text) for r in opened] == [
+        {"hint": "higher", "low": 51, "high": 100, "guesses": 1},
+        {"hint": "lower", "low": 1, "high": 49, "guesses": 1},
+    ]
     moves = [guess(80, "a"), guess(20, "b"), guess(70, "a")]  # a's second and third guesses in one turn, in order
     played, _ = openenv_toolbox.run(moves)
     assert [json.loads(r.text) for r in played] == [
-        {"hint": "lower", "guesses": 2},
-        {"hint": "correct", "guesses": 2},
-        {"hint": "correct", "guesses": 3},
+        {"hint": "lower", "low": 51, "high": 79, "guesses": 2},
+        {"hint": "correct", "low": 1, "high": 49, "guesses": 2},
+        {"hint": "correct", "low": 51, "high": 79, "guesses": 3},
     ]
     assert [r.reward for r in played] == [0.0, pytest.approx(0.9), pytest.approx(0.8)]  # the step rewards
     # arguments the action refuses (checked here, or by the server): one line the model reads, the model's mistake
@@ -193,7 +196,7 @@ def test_a_servers_session_outlasts_a_turn_longer_than_its_keep_alive(remote_gue
     assert opened.failure is None
     time.sleep(3 * SERVER_PING_S + 1)
     [moved], _ = remote_guess_toolbox.run([guess(70, "slow")])
-    assert (moved.failure, json.loads(moved.text)) == (None, {"hint": "correct", "guesses": 2})
+    assert (moved.failure, json.loads(moved.text)) == (None, {"hint": "correct", "low": 51, "high": 100, "guesses": 2})
     remote_guess_toolbox.run([], [ToolRelease("guess", "slow")])
 
 
