@@ -91,7 +91,8 @@ class OutcomesConfig:
 @dataclass
 class AlgorithmConfig:
     # verl's estimator: grpo, rloo, opo, gpg, gdpo, grpo_passk, reinforce_plus_plus(_baseline), grpo/rloo_vectorized.
-    # verl's others need a critic or inputs rl_tpu does not make (algorithms.registry); or an import path mod:fn
+    # verl's others need a critic or inputs rl_tpu does not make (algorithms.registry); rl_tpu's grpo_turn (a
+    # baseline per model turn, for episodes: algorithms.turn_baseline); or an import path mod:fn
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # divide each group's advantages by its reward std (false: Dr. GRPO)
     gamma: float = 1.0  # discount (reinforce_plus_plus)
