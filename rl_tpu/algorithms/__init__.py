@@ -1,4 +1,5 @@
-"""Algorithms: verl's advantage estimators and policy losses by verl's names and keys (`core`), the losses'
+"""Algorithms: verl's advantage estimators and policy losses by verl's names and keys (`core`), rl_tpu's own
+estimator for episodes, a baseline per model turn (`turn_baseline`: `grpo_turn`), the losses'
 facts and plug-ins by import path (`registry`), the KL in the reward with verl's KL controllers (`kl_reward`), and
 the one owner of the way from a step's grades to its `TrainBatch` (`learning_signal`), with which rows count by
 each rollout's outcome (`outcomes`). May import config and records only.

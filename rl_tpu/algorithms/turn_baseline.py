@@ -3,9 +3,9 @@
 GRPO gives every token of an episode the same advantage, its outcome against the mean of its group. In episodes
 that end when they succeed (a game won, a task solved), the later turns exist mostly in the episodes that had not
 succeeded yet: their tokens are compared with a group mean raised by the episodes that succeeded early, so they
-are pushed down on average whatever they did. The tokens a turn always has (a call's format) then get small
-gradients that always point the same way, which Adam turns into full-size steps until the format breaks there
-(recipes/guess_number's log), and the signal of what a later turn chose drowns in that bias.
+are pushed down on average whatever they did: the tokens a turn always has (a call's format) get small gradients
+that point the same way step after step (Adam makes full-size steps of them: a likely cause of the broken formats
+in recipes/guess_number's log), and the signal of what a later turn chose is mixed with that bias.
 
 Here a turn that the environment answered (a tool call), the `k`-th of its episode, is compared only with the
 turns `k` of its group that the environment answered too: the advantage of its tokens is `(score - mean) / (std +

@@ -39,8 +39,8 @@ class EpisodeConfig:
     tool_calls_per_worker: int = 32
     # lockstep: every live episode goes to the engine together at each turn and waits for the batch's slowest tool
     # call; async: an episode goes back to the engine as soon as its own calls returned, in the engine's next round
-    # (pays where tool latency varies: 0.59 of lockstep's step with a heavy-tailed remote tool on CPU, but 1.8x
-    # with a CPU-bound tool on two cores; benchmarks/results/episodes.json). The same episodes either way
+    # (pays where tool latency varies: 0.61 of lockstep's step with a heavy-tailed remote tool on CPU, 1.03 with a
+    # CPU-bound one on two cores; benchmarks/results/episodes.json). The same episodes either way
     scheduling: str = "lockstep"
     # async: tool calls of all episodes running at once, on all of an engine's tool workers together (an episode's
     # calls wait for room; one episode's calls always go); bounds what a remote environment sees at once

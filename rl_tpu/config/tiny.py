@@ -31,6 +31,7 @@ class TinyModelConfig:
     warm_start_malformed_rate: float = 0.0  # the fraction of those calls written malformed (no parser reads them)
     # guess_number: the warm start plays guess-the-number games with secrets 1..this instead of arithmetic
     # (recipes/guess_number): well-formed guesses drawn at random in range whatever the answers, half the games
-    # answered higher/lower and half "wrong" (the control's answers), so it teaches the format only; 0: arithmetic
+    # answered higher/lower and half "wrong" (the control's answers), the answers in the loss too: it teaches the
+    # format and what an answer says, never a move; 0: arithmetic
     warm_start_guess_max: int = 0
     warm_start_guess_turns: int = 3  # guesses per warm-start game at most (the recipe's turn limit)

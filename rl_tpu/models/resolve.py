@@ -209,8 +209,8 @@ def warm_start(
 
 
 def warm_start_game(model: torch.nn.Module, tokenizer, tiny: TinyModelConfig) -> None:
-    """Supervised fine-tuning on guess-the-number games of a player who guesses at random (`random_game`): the
-    format of a game, not how to win it. Half the games are answered higher / lower, half "wrong" (the
+    """Supervised fine-tuning on guess-the-number games of a player who guesses at random (`random_game`), the
+    environment's answers in the loss too: the format of a game and what its answers say, not how to win it. Half the games are answered higher / lower, half "wrong" (the
     control's environment), so both arms of recipes/guess_number start from this one model."""
     rng = random.Random(tiny.seed)
     high, turns = tiny.warm_start_guess_max, tiny.warm_start_guess_turns
@@ -259,7 +259,8 @@ def supervise(
 
 def _segment_ids(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
     """A game's ids after the prompt and its mask, as the engine and the plain renderer make them: each model turn
-    tokenized alone (an empty one: the end of sequence), each environment turn encoded alone, out of the loss."""
+    tokenized alone (an empty one: the end of sequence), each environment turn encoded alone; the mask marks the
+    model's turns (1), as an episode's does."""
     ids, mask = [], []
     for text, by_model in segments:
         if by_model:
