@@ -9,12 +9,13 @@ Two workloads:
   2 s; drawn from the call's arguments, so the same calls take the same time under both schedulers);
 - uniform: a CPU-bound tool (each call computes for 50 ms, blocking its worker).
 
+The engine computes with one torch thread, as a run's engine actor does (`sampler.num_cpus=1`; `--engine-threads`).
 Both schedulers must make the same episodes (ids, masks, logprobs: `same_episodes`). Per batch: the step time (the batch's wall time), the engine's idle share (1 - seconds in engine steps / step time)
 and the tool wait share (seconds an episode waited for its tools, mean over episodes / step time). Runs lockstep and
 async alternately (A B A B ...) in one invocation, with the same seeds in each pair; the figure is the median of
 the pairs' ratios.
 
-    python benchmarks/episodes.py          # about 2 minutes; writes results/episodes.json
+    python benchmarks/episodes.py          # about 2 minutes (4 pairs); writes results/episodes.json
 """
 
 from __future__ import annotations
@@ -93,11 +94,14 @@ class DrawnCalls:
         return len(ids)
 
 
-def engine_for(model: Path, max_len: int):
+def engine_for(model: Path, max_len: int, threads: int):
+    import torch
+
     from rl_tpu.sampler.engine import EngineOptions, SamplingSettings, sampled_tokens, sampling_params, start_vllm
     from rl_tpu.sampler.episode_requests import EngineRequests
 
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"})
+    torch.set_num_threads(threads)  # as a run's engine actor does before vLLM starts (`CpuBinding.apply`)
     llm = start_vllm(str(model), "float32", max_len, 0.25, 0, EngineOptions(), [])
     settings = SamplingSettings(n=1, temperature=1.0)
     return lambda: EngineRequests(
@@ -118,6 +122,8 @@ def one_batch(runner: EpisodeRunner, engine, prompts: list[list[int]], samples: 
         "step_s": step_s,
         "engine_idle_share": 1 - engine.busy_s / step_s,
         "tool_wait_share": statistics.mean(r.episode.tool_s for r in rollouts) / step_s,
+        # no scheduler ends the batch before its slowest episode's own tool calls: the floor the step time is held to
+        "slowest_episode_tool_s": max(r.episode.tool_s for r in rollouts),
         "turns_mean": statistics.mean(turns),
         "turns_max": max(turns),
         "calls": sum(sum(r.episode.tool_calls.values()) for r in rollouts),
@@ -157,7 +163,7 @@ def compare(rows: list[dict], workload: str) -> dict:
     }
 
 
-SHARES = ("step_s", "engine_idle_share", "tool_wait_share")
+SHARES = ("step_s", "engine_idle_share", "tool_wait_share", "slowest_episode_tool_s")
 
 
 def main() -> None:
@@ -166,6 +172,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="episodes per prompt")
     parser.add_argument("--pairs", type=int, default=4, help="lockstep/async pairs per workload (A B A B)")
     parser.add_argument("--turn-tokens", type=int, default=8, help="tokens a model turn may sample")
+    parser.add_argument(
+        "--engine-threads", type=int, default=1, help="the engine's torch threads (a run's: sampler.threads)"
+    )
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "episodes.json")
     args = parser.parse_args()
@@ -182,7 +191,7 @@ def main() -> None:
         build_tiny_arith(TinyModelConfig(warm_start_steps=0, max_position_embeddings=512), DataConfig(), model)
         tokenizer = AutoTokenizer.from_pretrained(model)
         prompts = [tokenizer(f"Q: What is {a} * {a + 7}? A:")["input_ids"] for a in range(3, 3 + args.prompts)]
-        new_engine = engine_for(model, 512)
+        new_engine = engine_for(model, 512, args.engine_threads)
         box = ToolBox(
             ToolSettings(tools_yaml(Path(folder), TOOLS, "bench_tools", ("Remote", "Compute")), None, 2, 60.0, 2048, 64)
         )
@@ -214,6 +223,7 @@ def main() -> None:
         max_turns=limits.max_turns,
         turn_tokens=args.turn_tokens,
         tool_workers=2,
+        engine_threads=args.engine_threads,
         latency={"heavy_tailed": f"log-normal, median {MEDIAN_S} s, sigma {SIGMA}", "uniform": f"{CPU_S} s of CPU"},
         targets={"heavy_tailed": "ratio <= 0.6", "uniform": "ratio <= 1.0"},
         summary=summary,

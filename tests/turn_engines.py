@@ -34,10 +34,42 @@ class BatchEngine:
         return bool(self.queued)
 
 
+class StepEngine:
+    """A `TurnEngine` whose turns take several steps, as vLLM's: a turn queued while others are under way joins them
+    (continuous batching). `answer(request) -> (output, steps)`; each step sleeps `step_s` seconds. Records the
+    requests under way at each step (`steps`)."""
+
+    def __init__(self, answer: Callable[[TurnRequest], tuple[TurnOutput, int]], step_s: float):
+        self.answer, self.step_s = answer, step_s
+        self.under_way: dict[str, tuple[TurnRequest, int]] = {}  # request id -> (request, steps left)
+        self.steps: list[list[TurnRequest]] = []
+        self.added = 0
+
+    def add(self, request: TurnRequest) -> str:
+        self.added += 1
+        self.under_way[str(self.added)] = (request, self.answer(request)[1])
+        return str(self.added)
+
+    def step(self) -> list[tuple[str, TurnOutput]]:
+        time.sleep(self.step_s)
+        self.steps.append([request for request, _ in self.under_way.values()])
+        ended = []
+        for request_id, (request, left) in list(self.under_way.items()):
+            if left > 1:
+                self.under_way[request_id] = (request, left - 1)
+            else:
+                del self.under_way[request_id]
+                ended.append((request_id, self.answer(request)[0]))
+        return ended
+
+    def busy(self) -> bool:
+        return bool(self.under_way)
+
+
 class RunStream:
     """A `ToolStream` stand-in over a fake ToolBox's `run(calls, ends)`: a group's results are made when it is
-    submitted and come back `delay(calls)` seconds later (a poll waits up to its timeout for the next of them). The
-    tool workers use `cores` of CPU all along (0: their calls wait)."""
+    submitted and come back `delay(calls)` seconds later (a poll waits up to its timeout for the next of them). One
+    worker, busy while any group is out, uses `cores` of CPU all along (0: its calls wait)."""
 
     def __init__(self, run: Callable, delay: Callable[[list], float] = lambda calls: 0.0, cores: float = 0.0):
         self.run, self.delay, self.cores = run, delay, cores
@@ -70,6 +102,9 @@ class RunStream:
 
     def cpu_seconds(self) -> float:
         return self.cores * (time.perf_counter() - self.opened)
+
+    def busy_workers(self) -> int:
+        return 1 if self.waiting else 0
 
     def close(self) -> None:
         self.closed = True

@@ -287,6 +287,10 @@ class WorkerPool:
     def live(self) -> list[_Worker]:
         return [w for w in self.workers if isinstance(w, _Worker)]
 
+    def busy_workers(self) -> int:
+        """How many live workers hold items sent and not yet answered."""
+        return sum(bool(worker.in_flight) for worker in self.live)
+
     def cpu_seconds(self) -> float:
         """The CPU time the live workers have used so far (user and system): a caller that samples it twice sees
         whether they compute or wait."""

@@ -4,8 +4,17 @@ batches whatever turns are ready and a slow call holds only its own episode.
 
 One loop drives both sides: it queues the ready episodes' turns on the engine (vLLM's request-level API: each
 engine step batches every turn under way), steps the engine, hands each finished turn's calls to the tool workers
-(`ToolStream`: the workers run calls of all episodes at once, up to `max_calls_in_flight` in all), and between
-engine steps takes the results that came back (before a step of few turns, for up to one step's time: `_gather`).
+(`ToolStream`: the workers run calls of all episodes at once, up to `max_calls_in_flight` in all), and takes the
+results that came back between engine steps. How an episode whose calls came back rejoins the engine depends on
+what its tools do (`_ToolLoad`, their CPU time while calls are out):
+
+- tools that wait (a remote environment, a sandbox, a search): it joins at once, even while other turns are under
+  way; the engine batches whatever is ready (continuous batching) and nobody waits for anybody;
+- tools that compute (or before that is known): it joins the next round. Between rounds the loop waits for the
+  episodes at the tools (`_gather`), since on a CPU host a round competes with the tools for the cores and an engine
+  step costs about as much for a few turns as for many; a straggler joins a later round instead of holding every
+  episode, as lockstep does.
+
 What a turn does to an episode is the same code as in lockstep (`EpisodeRunner`): ids, masks, logprobs, seeds per
 turn (`turn_seed`: fixed by the episode, not by when its turn ran), truncation, instance routing, releases, failure
 counting; the batch's rollouts come back in prompt and sample order whatever order the episodes ended in.
@@ -13,6 +22,7 @@ counting; the batch's rollouts come back in prompt and sample order whatever ord
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -23,8 +33,11 @@ if TYPE_CHECKING:
     from rl_tpu.episodes.loop import EpisodeRunner
     from rl_tpu.episodes.tools import ToolStream
 
-COMPUTING_CORES = 0.5  # the tool workers' CPU use (in cores) above which their calls count as computing
+COMPUTING_CORES = 0.5  # a tool worker with calls out that takes this much of a core (or more) computes
+LOAD_WINDOW_S = 0.25  # how much recent time with calls out that is read over (psutil counts 10 ms clock ticks)
+SAMPLE_S = 0.02  # the shortest span between two readings of the workers' CPU time
 WAIT_S = 1.0  # the longest wait for tool results while the engine has nothing to run (a wait ends at an answer)
+POLL_S = 0.1  # the longest poll of a wait between rounds: the tools' load is read again after it
 
 
 class AsyncScheduler:
@@ -39,14 +52,44 @@ class AsyncScheduler:
             stream.close()
 
 
+class _ToolLoad:
+    """Whether the tool workers wait for their calls (a remote environment, a sandbox, a search) rather than
+    compute: the CPU time a worker with calls out took over the last `LOAD_WINDOW_S` in which calls were out, under
+    half a core. Until that much time was seen they count as computing (rounds: the careful choice on a CPU host)."""
+
+    def __init__(self, stream: ToolStream):
+        self.stream = stream
+        self.last = (time.perf_counter(), stream.cpu_seconds(), 0)  # when, CPU seconds, busy workers then
+        self.spans: deque[tuple[float, float, float]] = deque()  # (wall, wall x busy workers, CPU) seconds
+        self.waiting = False
+
+    def tools_wait(self) -> bool:
+        now = time.perf_counter()
+        then, cpu_then, busy = self.last
+        if now - then < SAMPLE_S:
+            return self.waiting
+        cpu, busy_now = self.stream.cpu_seconds(), self.stream.busy_workers()
+        if busy and busy_now:  # calls were out at both readings: most likely all along
+            self.spans.append((now - then, (now - then) * min(busy, busy_now), cpu - cpu_then))
+        self.last = (now, cpu, busy_now)
+        wall = sum(span[0] for span in self.spans)
+        while self.spans and wall - self.spans[0][0] >= LOAD_WINDOW_S:
+            wall -= self.spans.popleft()[0]
+        if wall >= LOAD_WINDOW_S:
+            per_worker = sum(span[2] for span in self.spans) / sum(span[1] for span in self.spans)
+            self.waiting = per_worker < COMPUTING_CORES
+        return self.waiting
+
+
 class _Play:
     """One play of a batch's episodes: which are at the engine, waiting for a slot for their calls, or at the
     tools."""
 
     def __init__(self, runner: EpisodeRunner, stream: ToolStream, engine: TurnEngine, max_calls_in_flight: int):
         self.runner, self.stream, self.engine, self.bound = runner, stream, engine, max_calls_in_flight
+        self.load = _ToolLoad(stream)
         self.at_engine: dict[str, Episode] = {}  # request id -> episode
-        self.ready: list[Episode] = []  # its calls returned while the engine ran: it joins the next round
+        self.ready: list[Episode] = []  # its calls returned: it joins the engine at once or with the next round
         self.calling: deque[Episode] = deque()  # its turn called tools: waiting for room under the bound
         self.at_tools: dict[int, Episode | None] = {}  # stream group -> its episode (None: releases)
         self.releasing: dict[int, list] = {}  # stream group -> the owners of its releases
@@ -67,46 +110,41 @@ class _Play:
                     else:
                         self._release(episode)
                 self._take_results(0.0)
+                if self.load.tools_wait() and self.ready:  # the engine takes ready turns as they come
+                    self._start_ready()
                 if not self.engine.busy():
                     self.round_s = time.perf_counter() - self.round_start
                 continue
             self._gather()
             self.round_start = time.perf_counter()
-            for episode in self.ready:  # the next round: every episode whose calls returned
-                self._to_engine(episode)
-            self.ready = []
+            self._start_ready()
+
+    def _start_ready(self) -> None:
+        for episode in self.ready:
+            self._to_engine(episode)
+        self.ready = []
 
     def _playing_at_tools(self) -> int:
         return sum(episode is not None for episode in self.at_tools.values())
 
     def _gather(self) -> None:
-        """Between rounds, waits for the episodes at the tools: until all are back, or, after the first is back,
-        for the longer of a typical tool turn of this batch (the median so far) and the engine's last round. An
-        engine step costs about as much for a few turns as for many (on CPU above all), so turns are best started
-        together, and a turn that missed a round costs its episode a round; a straggler (a call slower than that)
-        joins a later round instead of holding every episode, as lockstep does."""
+        """Between rounds, while the tools compute, waits for the episodes at the
+        tools: until all are back, or, after the first is back, for the longer of a typical tool turn of this batch
+        (the median so far) and the engine's last round, and past that for answers that keep coming within a
+        round's time of each other, as lockstep would: a round started sooner competes with the tools for the CPU,
+        and an engine step on CPU costs about as much for a few turns as for many. A straggler (a call slower than
+        that) joins a later round instead of holding every episode, as it does in lockstep."""
         if not self.ready and self.at_tools:  # nothing to run: the first answer (or release) that comes back
             self._take_results(WAIT_S)
         if self.calling:
             return  # calls wait for room under the bound: the round starts without them
-        typical = sorted(self.call_s)[len(self.call_s) // 2] if self.call_s else WAIT_S
-        start, cpu_start = time.perf_counter(), self.stream.cpu_seconds()
-        deadline = start + max(typical, self.round_s)
-        while self._playing_at_tools():
-            until = deadline
-            if self.answered_at + self.round_s > deadline and self._tools_compute(start, cpu_start):
-                until = self.answered_at + self.round_s
+        typical = statistics.median(self.call_s) if self.call_s else WAIT_S
+        deadline = time.perf_counter() + max(typical, self.round_s)
+        while self._playing_at_tools() and not self.load.tools_wait():
+            until = max(deadline, self.answered_at + self.round_s)
             if time.perf_counter() >= until:
                 return
-            self._take_results(until - time.perf_counter())
-
-    def _tools_compute(self, start: float, cpu_start: float) -> bool:
-        """Whether the tool workers spent at least half a core on their calls since `start`: then their calls are
-        work, not waits, and a round started before the answers stop coming competes with them for the CPU (on a
-        host where the engine computes too) and feeds them calls they cannot start yet; so answers that keep coming
-        within a round's time of each other are waited for past the deadline, as lockstep would."""
-        elapsed = time.perf_counter() - start
-        return elapsed > 0 and (self.stream.cpu_seconds() - cpu_start) / elapsed >= COMPUTING_CORES
+            self._take_results(min(until - time.perf_counter(), POLL_S))
 
     def _to_engine(self, episode: Episode) -> None:
         request = self.runner.request(episode)

@@ -295,5 +295,9 @@ class ToolStream:
         """The tool workers' CPU time so far (`WorkerPool.cpu_seconds`)."""
         return self.box.pool.cpu_seconds()
 
+    def busy_workers(self) -> int:
+        """How many tool workers have calls out now (`WorkerPool.busy_workers`)."""
+        return self.box.pool.busy_workers()
+
     def close(self) -> None:
         self.job.close()

@@ -13,7 +13,7 @@ import uuid
 import pytest
 from test_episodes import ScriptedEngine, call_text, runner, tokenizer, toolbox  # noqa: F401 (fixtures)
 from test_tool_failures import Characters, ScriptedTools
-from turn_engines import BatchEngine, RunStream
+from turn_engines import BatchEngine, RunStream, StepEngine
 
 from rl_tpu.episodes.asynchronous import AsyncScheduler
 from rl_tpu.episodes.episode import EpisodeLimits, TurnOutput, TurnRequest
@@ -91,16 +91,28 @@ class SlowTools(ScriptedTools):
         return RunStream(self.run, delay=lambda calls: 0.5 if any(c.name == "slow" for c in calls) else 0.01)
 
 
+def text_turn(script: dict[int, list[str]], request: TurnRequest) -> TurnOutput:
+    """Prompt `[k]` answers `script[k][turn]`."""
+    text = script[request.ids[0]][request.turn]
+    return TurnOutput([ord(c) for c in text], [-0.5] * len(text), "stop", 1)
+
+
+def texts_engine(script: dict[int, list[str]], sleep_s: float = 0.0) -> BatchEngine:
+    """`text_turn` in steps of whole turns, each sleeping `sleep_s`."""
+
+    def answer(requests):
+        time.sleep(sleep_s)
+        return [text_turn(script, r) for r in requests]
+
+    return BatchEngine(answer)
+
+
 @pytest.mark.parametrize("name", SCHEDULERS)
 def test_a_slow_tool_call_holds_only_its_own_episode(name):
     """Episode 0 calls a slow tool once; episode 1 calls a quick one three times. Advancing on their own, episode 1
     asks for its second, third and fourth turns while episode 0's call is still out; in lockstep it cannot."""
     script = {0: ["call:slow", "done"], 1: ["call:quick", "call:quick", "call:quick", "done"]}
-    answer = lambda requests: [  # noqa: E731
-        TurnOutput([ord(c) for c in script[r.ids[0]][r.turn]], [-0.5] * len(script[r.ids[0]][r.turn]), "stop", 1)
-        for r in requests
-    ]
-    engine = BatchEngine(answer)
+    engine = texts_engine(script)
     limits = EpisodeLimits(max_turns=6, max_tokens=400, turn_tokens=50, max_model_len=1024)
     episodes = EpisodeRunner(limits, Characters(), SlowTools(), Characters(), scheduler=SCHEDULERS[name])
     rollouts = episodes.run([[0], [1]], 1, [0, 1], [{}, {}], engine)
@@ -126,20 +138,33 @@ def test_answers_that_keep_coming_are_waited_for_only_while_the_tools_compute(co
     """Three episodes' second calls come back 0.01, 0.3 and 0.6 s after they were sent, each within a round (0.4 s
     of engine) of the one before, the last one after the deadline (a round after the first answer). While the tool
     workers compute, the last one is waited for: one round, as lockstep (a round then would compete with them for
-    the CPU); while they wait, it is left to a round of its own."""
-    script = {k: ["call:s1", f"call:s{delay}", "done"] for k, delay in enumerate([1, 30, 60])}
-
-    def answer(requests):
-        time.sleep(0.4)
-        texts = [script[r.ids[0]][r.turn] for r in requests]
-        return [TurnOutput([ord(c) for c in text], [-0.5] * len(text), "stop", 1) for text in texts]
-
-    engine = BatchEngine(answer)
+    the CPU); once they are seen to wait (0.25 s of calls out), the round starts without it."""
+    engine = texts_engine({k: ["call:s1", f"call:s{delay}", "done"] for k, delay in enumerate([1, 30, 60])}, 0.4)
     limits = EpisodeLimits(max_turns=6, max_tokens=400, turn_tokens=50, max_model_len=1024)
     episodes = EpisodeRunner(limits, Characters(), TimedTools(cores), Characters(), scheduler=AsyncScheduler(64))
     episodes.run([[0], [1], [2]], 1, [0, 1, 2], [{}] * 3, engine)
     rounds = [sorted(r.ids[0] for r in step) for step in engine.requests]
-    assert rounds == ([[0, 1, 2]] * 3 if cores else [[0, 1, 2], [0, 1, 2], [0, 1], [2]]), rounds
+    if cores:
+        assert rounds == [[0, 1, 2]] * 3, rounds
+    else:
+        assert rounds[:2] == [[0, 1, 2]] * 2 and 2 not in rounds[2], rounds
+        assert sorted(k for step in rounds[2:] for k in step) == [0, 1, 2], rounds
+
+
+@pytest.mark.parametrize("cores", [0.0, 1.0])
+def test_a_turn_joins_the_turns_under_way_while_the_tools_wait(cores):
+    """Episode 0's first turn takes 20 engine steps (1 s); episode 1's takes one, then calls a tool for 0.4 s. Tools
+    that wait (a remote environment): episode 1's second turn joins episode 0's under way as soon as its call came
+    back, continuous batching. Tools that compute: it waits for the next round, as it would compete with them."""
+    script = {0: ["done"], 1: ["call:s40", "done"]}
+    steps = {(0, 0): 20, (1, 0): 1, (1, 1): 1}
+    engine = StepEngine(lambda r: (text_turn(script, r), steps[(r.ids[0], r.turn)]), 0.05)
+    limits = EpisodeLimits(max_turns=6, max_tokens=400, turn_tokens=50, max_model_len=1024)
+    episodes = EpisodeRunner(limits, Characters(), TimedTools(cores), Characters(), scheduler=AsyncScheduler(64))
+    rollouts = episodes.run([[0], [1]], 1, [0, 1], [{}] * 2, engine)
+    assert [r.episode.turns for r in rollouts] == [1, 2]
+    together = [step for step in engine.steps if {(r.ids[0], r.turn) for r in step} == {(0, 0), (1, 1)}]
+    assert bool(together) == (not cores), [[(r.ids[0], r.turn) for r in step] for step in engine.steps]
 
 
 @pytest.mark.parametrize("name", SCHEDULERS)
