@@ -37,11 +37,11 @@ class EpisodeConfig:
     # calls a tool worker runs at once: they overlap while they await (a server, a sandbox, a search); code that
     # blocks (time.sleep, a synchronous client) runs one call at a time in each worker whatever this says
     tool_calls_per_worker: int = 32
-    # lockstep: every live episode goes to the engine together at each turn and waits for the batch's slowest tool
-    # call; async: an episode goes back to the engine as soon as its own calls returned, in the engine's next round
-    # (pays where tool latency varies: 0.61 of lockstep's step with a heavy-tailed remote tool on CPU, 1.03 with a
-    # CPU-bound one on two cores; benchmarks/results/episodes.json). The same episodes either way
-    scheduling: str = "lockstep"
+    # async: an episode goes back to the engine as soon as its own calls returned (at once while the tools wait, in
+    # the engine's next round while they compute); lockstep: every live episode goes to the engine together at each
+    # turn and waits for the batch's slowest tool call. The same episodes either way; async took 0.52 of lockstep's
+    # step with a heavy-tailed remote tool and 1.00 with a CPU-bound one (two cores, benchmarks/results/episodes.json)
+    scheduling: str = "async"
     # async: tool calls of all episodes running at once, on all of an engine's tool workers together (an episode's
     # calls wait for room; one episode's calls always go); bounds what a remote environment sees at once
     max_calls_in_flight: int = 64

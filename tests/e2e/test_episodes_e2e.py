@@ -5,7 +5,7 @@ fp32 logprobs of the model's tokens agree below 1e-5 per token; a sync-mode run 
 resumes exactly; an OpenEnv environment as the tool, one per episode, under a LoRA policy.
 
 Both episode schedulers run, without a run of their own: the first run advances episodes on their own
-(`episode.scheduling=async`), and the resumed run plays its steps in lockstep (the default), so it resumes exactly
+(`episode.scheduling=async`), and the resumed run plays its steps in lockstep (set), so it resumes exactly
 only if both schedulers make the same episodes, and its logprob gap is lockstep's."""
 
 from __future__ import annotations
