@@ -5,15 +5,12 @@ batches whatever turns are ready and a slow call holds only its own episode.
 One loop drives both sides: it queues the ready episodes' turns on the engine (vLLM's request-level API: each
 engine step batches every turn under way), steps the engine, hands each finished turn's calls to the tool workers
 (`ToolStream`: the workers run calls of all episodes at once, up to `max_calls_in_flight` in all), and takes the
-results that came back between engine steps. How an episode whose calls came back rejoins the engine depends on
-what its tools do (`_ToolLoad`, their CPU time while calls are out):
-
-- tools that wait (a remote environment, a sandbox, a search): it joins at once, even while other turns are under
-  way; the engine batches whatever is ready (continuous batching) and nobody waits for anybody;
-- tools that compute (or before that is known): it joins the next round. Between rounds the loop waits for the
-  episodes at the tools (`_gather`), since on a CPU host a round competes with the tools for the cores and an engine
-  step costs about as much for a few turns as for many; a straggler joins a later round instead of holding every
-  episode, as lockstep does.
+results that came back between engine steps. An episode whose calls came back joins the turns under way at once
+(continuous batching: nobody waits for anybody), except on vLLM's CPU engine while its tools compute (`_ToolLoad`,
+their CPU time while calls are out; a remote environment, a sandbox or a search waits): then it joins the next
+round. Between rounds the loop waits for the episodes at the tools (`_gather`), since a round competes with the
+tools for the cores and an engine step costs about as much for a few turns as for many; a straggler joins a later
+round instead of holding every episode, as it does in lockstep.
 
 What a turn does to an episode is the same code as in lockstep (`EpisodeRunner`): ids, masks, logprobs, seeds per
 turn (`turn_seed`: fixed by the episode, not by when its turn ran), truncation, instance routing, releases, failure
@@ -41,13 +38,16 @@ POLL_S = 0.1  # the longest poll of a wait between rounds: the tools' load is re
 
 
 class AsyncScheduler:
-    def __init__(self, max_calls_in_flight: int):
-        self.max_calls_in_flight = max_calls_in_flight
+    """`engine_on_cpu`: the engine's steps compute on the host's cores (vLLM's CPU engine), so they compete with
+    tools that compute; an accelerator's engine takes every turn as soon as it is ready, whatever the tools do."""
+
+    def __init__(self, max_calls_in_flight: int, engine_on_cpu: bool = True):
+        self.max_calls_in_flight, self.engine_on_cpu = max_calls_in_flight, engine_on_cpu
 
     def play(self, runner: EpisodeRunner, episodes: list[Episode], engine: TurnEngine) -> None:
         stream = runner.tools.stream()
         try:
-            _Play(runner, stream, engine, self.max_calls_in_flight).run(episodes)
+            _Play(runner, stream, engine, self.max_calls_in_flight, self.engine_on_cpu).run(episodes)
         finally:
             stream.close()
 
@@ -85,9 +85,11 @@ class _Play:
     """One play of a batch's episodes: which are at the engine, waiting for a slot for their calls, or at the
     tools."""
 
-    def __init__(self, runner: EpisodeRunner, stream: ToolStream, engine: TurnEngine, max_calls_in_flight: int):
+    def __init__(
+        self, runner: EpisodeRunner, stream: ToolStream, engine: TurnEngine, max_calls_in_flight: int, on_cpu: bool
+    ):
         self.runner, self.stream, self.engine, self.bound = runner, stream, engine, max_calls_in_flight
-        self.load = _ToolLoad(stream)
+        self.load, self.engine_on_cpu = _ToolLoad(stream), on_cpu
         self.at_engine: dict[str, Episode] = {}  # request id -> episode
         self.ready: list[Episode] = []  # its calls returned: it joins the engine at once or with the next round
         self.calling: deque[Episode] = deque()  # its turn called tools: waiting for room under the bound
@@ -110,7 +112,7 @@ class _Play:
                     else:
                         self._release(episode)
                 self._take_results(0.0)
-                if self.load.tools_wait() and self.ready:  # the engine takes ready turns as they come
+                if self._joins_at_once() and self.ready:  # the engine takes ready turns as they come
                     self._start_ready()
                 if not self.engine.busy():
                     self.round_s = time.perf_counter() - self.round_start
@@ -118,6 +120,11 @@ class _Play:
             self._gather()
             self.round_start = time.perf_counter()
             self._start_ready()
+
+    def _joins_at_once(self) -> bool:
+        """Whether a returned episode's turn starts at once, beside the turns under way (continuous batching):
+        unless the engine computes on the CPU that the tools compute on too (then it waits for the next round)."""
+        return not self.engine_on_cpu or self.load.tools_wait()
 
     def _start_ready(self) -> None:
         for episode in self.ready:
@@ -128,7 +135,7 @@ class _Play:
         return sum(episode is not None for episode in self.at_tools.values())
 
     def _gather(self) -> None:
-        """Between rounds, while the tools compute, waits for the episodes at the
+        """Between rounds, while the tools compute beside a CPU engine, waits for the episodes at the
         tools: until all are back, or, after the first is back, for the longer of a typical tool turn of this batch
         (the median so far) and the engine's last round, and past that for answers that keep coming within a
         round's time of each other, as lockstep would: a round started sooner competes with the tools for the CPU,
@@ -140,7 +147,7 @@ class _Play:
             return  # calls wait for room under the bound: the round starts without them
         typical = statistics.median(self.call_s) if self.call_s else WAIT_S
         deadline = time.perf_counter() + max(typical, self.round_s)
-        while self._playing_at_tools() and not self.load.tools_wait():
+        while self._playing_at_tools() and not self._joins_at_once():
             until = max(deadline, self.answered_at + self.round_s)
             if time.perf_counter() >= until:
                 return

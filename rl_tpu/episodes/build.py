@@ -25,12 +25,15 @@ class EpisodeOptions:
     tool_response_format: str  # plain renderer
     stop: tuple[str, ...]  # strings that end a model turn (kept in its ids)
     outcomes: OutcomesConfig | None = None  # which episodes are played again (`algorithm.outcomes`)
-    scheduling: str = "lockstep"  # lockstep | async (`episode.scheduling`)
+    scheduling: str = "async"  # async | lockstep (`episode.scheduling`)
     max_calls_in_flight: int = 64  # async: tool calls of all episodes running at once
 
 
-def build_runner(options: EpisodeOptions, tokenizer: Any, model_type: str | None) -> EpisodeRunner:
-    """The parser, the tool workers and the renderer of one engine."""
+def build_runner(
+    options: EpisodeOptions, tokenizer: Any, model_type: str | None, engine_on_cpu: bool = True
+) -> EpisodeRunner:
+    """The parser, the tool workers, the renderer and the scheduler of one engine (`engine_on_cpu`: its steps
+    compute on the host's cores, beside the tools)."""
     parser = ToolCallParser(options.tool_parser, tokenizer)
     tools = ToolBox(options.tools)
     try:
@@ -40,5 +43,8 @@ def build_runner(options: EpisodeOptions, tokenizer: Any, model_type: str | None
     except Exception:
         tools.close()
         raise
-    scheduler = AsyncScheduler(options.max_calls_in_flight) if options.scheduling == "async" else LockstepScheduler()
+    if options.scheduling == "async":
+        scheduler = AsyncScheduler(options.max_calls_in_flight, engine_on_cpu)
+    else:
+        scheduler = LockstepScheduler()
     return EpisodeRunner(options.limits, parser, tools, renderer, options.outcomes, scheduler)

@@ -214,7 +214,10 @@ class Sampler:
         self.episodes = None
         if options.episodes is not None:
             model_type = self.llm.llm_engine.model_config.hf_config.model_type
-            self.episodes = build_runner(options.episodes, self.llm.get_tokenizer(), model_type)
+            from vllm.platforms import current_platform
+
+            on_cpu = current_platform.is_cpu()
+            self.episodes = build_runner(options.episodes, self.llm.get_tokenizer(), model_type, on_cpu)
 
     def generate(
         self,
