@@ -135,12 +135,13 @@ class _Play:
         return sum(episode is not None for episode in self.at_tools.values())
 
     def _gather(self) -> None:
-        """Between rounds, while the tools compute beside a CPU engine, waits for the episodes at the
-        tools: until all are back, or, after the first is back, for the longer of a typical tool turn of this batch
-        (the median so far) and the engine's last round, and past that for answers that keep coming within a
-        round's time of each other, as lockstep would: a round started sooner competes with the tools for the CPU,
-        and an engine step on CPU costs about as much for a few turns as for many. A straggler (a call slower than
-        that) joins a later round instead of holding every episode, as it does in lockstep."""
+        """Between rounds, while the tools compute beside a CPU engine, waits for the episodes at the tools: until
+        all are back, or, after the first is back, for the longer of a typical tool turn of this batch (the median
+        so far) and the engine's last round, and past that for answers that keep coming within a round's time of
+        each other, as lockstep would: a round started sooner competes with the tools for the CPU, and an engine
+        step on CPU costs about as much for a few turns as for many. A straggler (a call slower than that) joins a
+        later round instead of holding every episode, as it does in lockstep. Otherwise the round starts with the
+        first answer, and later ones join it as they come."""
         if not self.ready and self.at_tools:  # nothing to run: the first answer (or release) that comes back
             self._take_results(WAIT_S)
         if self.calling:
