@@ -111,8 +111,9 @@ class _Play:
                         self.calling.append(episode)
                     else:
                         self._release(episode)
+                joins = self._joins_at_once()  # read before the results: until now calls were out
                 self._take_results(0.0)
-                if self._joins_at_once() and self.ready:  # the engine takes ready turns as they come
+                if joins and self.ready:  # the engine takes ready turns as they come
                     self._start_ready()
                 if not self.engine.busy():
                     self.round_s = time.perf_counter() - self.round_start

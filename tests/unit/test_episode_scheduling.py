@@ -153,12 +153,12 @@ def test_answers_that_keep_coming_are_waited_for_only_while_the_tools_compute(co
 
 @pytest.mark.parametrize(("cores", "on_cpu"), [(0.0, True), (1.0, True), (1.0, False)])
 def test_a_turn_joins_the_turns_under_way_unless_it_would_compete_with_the_tools(cores, on_cpu):
-    """Episode 0's first turn takes 20 engine steps (1 s); episode 1's takes one, then calls a tool for 0.4 s. Tools
-    that wait (a remote environment), or an accelerator's engine: episode 1's second turn joins episode 0's under way
-    as soon as its call came back, continuous batching. Tools that compute beside a CPU engine: it waits for the
-    next round, as it would compete with them."""
-    script = {0: ["done"], 1: ["call:s40", "done"]}
-    steps = {(0, 0): 20, (1, 0): 1, (1, 1): 1}
+    """Episode 0's first turn takes 30 engine steps (1.5 s); episode 1's takes one, then calls a tool for 0.6 s (the
+    tools' load is known after 0.25 s of calls out). Tools that wait (a remote environment), or an accelerator's
+    engine: episode 1's second turn joins episode 0's under way as soon as its call came back, continuous batching.
+    Tools that compute beside a CPU engine: it waits for the next round, as it would compete with them."""
+    script = {0: ["done"], 1: ["call:s60", "done"]}
+    steps = {(0, 0): 30, (1, 0): 1, (1, 1): 1}
     engine = StepEngine(lambda r: (text_turn(script, r), steps[(r.ids[0], r.turn)]), 0.05)
     limits = EpisodeLimits(max_turns=6, max_tokens=400, turn_tokens=50, max_model_len=1024)
     scheduler = AsyncScheduler(64, engine_on_cpu=on_cpu)
