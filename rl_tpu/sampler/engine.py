@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -31,6 +31,9 @@ from rl_tpu.sampler.served import served_weights
 from rl_tpu.sampler.turns import EngineTurns
 from rl_tpu.sync.endpoints import unpack
 from rl_tpu.sync.registry import DEFAULT_TRANSPORT, transport_class
+
+if TYPE_CHECKING:
+    from rl_tpu.episodes.loop import EpisodeRunner
 
 # Set in the actor's environment before vLLM is imported.
 SAMPLER_ENV = {
@@ -143,6 +146,16 @@ def tensor_parallel_args(options: EngineOptions, on_cpu: bool, allowed: list[int
     return {"tensor_parallel_size": size, "distributed_executor_backend": "mp"}
 
 
+def episode_runner(llm: Any, episodes: EpisodeOptions | None) -> EpisodeRunner | None:
+    """The engine's episode runner (`episode.enable`), told whether vLLM computes on this host's CPU; else None."""
+    if episodes is None:
+        return None
+    from vllm.platforms import current_platform
+
+    model_type = llm.llm_engine.model_config.hf_config.model_type
+    return build_runner(episodes, llm.get_tokenizer(), model_type, current_platform.is_cpu())
+
+
 def engine_args(options: EngineOptions, kv_cache_gb: float | None, on_cpu: bool, allowed: list[int]) -> dict[str, Any]:
     """vLLM's settings that follow from the engine's options: memory, adapters, prefill, weight transfer, devices."""
     args = memory_args(kv_cache_gb, options.gpu_memory_utilization, on_cpu)
@@ -211,13 +224,7 @@ class Sampler:
         self.activity = EngineActivity(options.binding.activity_folder, options.index)
         self.busy_s = 0.0  # seconds the engine spent generating and installing, since start
         self.served = served_weights(self.llm, options.adapters, model_path, getattr(torch, dtype))
-        self.episodes = None
-        if options.episodes is not None:
-            model_type = self.llm.llm_engine.model_config.hf_config.model_type
-            from vllm.platforms import current_platform
-
-            on_cpu = current_platform.is_cpu()
-            self.episodes = build_runner(options.episodes, self.llm.get_tokenizer(), model_type, on_cpu)
+        self.episodes = episode_runner(self.llm, options.episodes)
 
     def generate(
         self,
