@@ -41,25 +41,23 @@ class StepEngine:
 
     def __init__(self, answer: Callable[[TurnRequest], tuple[TurnOutput, int]], step_s: float):
         self.answer, self.step_s = answer, step_s
-        self.under_way: dict[str, tuple[TurnRequest, int]] = {}  # request id -> (request, steps left)
+        self.under_way: dict[str, list] = {}  # request id -> [request, its output, steps left]
         self.steps: list[list[TurnRequest]] = []
         self.added = 0
 
     def add(self, request: TurnRequest) -> str:
         self.added += 1
-        self.under_way[str(self.added)] = (request, self.answer(request)[1])
+        self.under_way[str(self.added)] = [request, *self.answer(request)]
         return str(self.added)
 
     def step(self) -> list[tuple[str, TurnOutput]]:
         time.sleep(self.step_s)
-        self.steps.append([request for request, _ in self.under_way.values()])
-        ended = []
-        for request_id, (request, left) in list(self.under_way.items()):
-            if left > 1:
-                self.under_way[request_id] = (request, left - 1)
-            else:
-                del self.under_way[request_id]
-                ended.append((request_id, self.answer(request)[0]))
+        self.steps.append([request for request, _, _ in self.under_way.values()])
+        for turn in self.under_way.values():
+            turn[2] -= 1
+        ended = [(request_id, turn[1]) for request_id, turn in self.under_way.items() if turn[2] == 0]
+        for request_id, _ in ended:
+            del self.under_way[request_id]
         return ended
 
     def busy(self) -> bool:
